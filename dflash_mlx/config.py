@@ -1,0 +1,195 @@
+"""DFlashConfig: read, derive and validate a draft's config.json (z-lab format)."""
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from .errors import DraftConfigError
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
+    """Target layers a draft reads when its config does not list them."""
+    T, D = num_target_layers, num_draft_layers
+    if D == 1:
+        return [T // 2]
+    return [round(1 + i * (T - 4) / (D - 1)) for i in range(D)]
+
+
+_REQUIRED = {
+    "hidden_size": int,
+    "num_hidden_layers": int,
+    "num_attention_heads": int,
+    "num_key_value_heads": int,
+    "intermediate_size": int,
+    "vocab_size": int,
+}
+_OPTIONAL = {
+    "head_dim": int,
+    "rms_norm_eps": float,
+    "rope_theta": float,
+    "max_position_embeddings": int,
+    "block_size": int,
+    "num_target_layers": int,
+    "sliding_window": int,
+    "attention_bias": bool,
+}
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    mask_token_id: int
+    target_layer_ids: List[int]
+    num_target_layers: int
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: Optional[Dict[str, Any]] = None
+    max_position_embeddings: int = 40960
+    block_size: int = 16
+    attention_bias: bool = False
+    layer_types: Optional[List[str]] = None
+    sliding_window: Optional[int] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "DFlashConfig":
+        """Validate a parsed config.json and derive what it leaves out."""
+        if not isinstance(d, dict):
+            raise DraftConfigError("config.json must hold a JSON object.")
+        args: Dict[str, Any] = {}
+        for name, kind in {**_REQUIRED, **_OPTIONAL}.items():
+            if name not in d or (d[name] is None and name not in _REQUIRED):
+                if name in _REQUIRED:
+                    raise DraftConfigError(
+                        f"config.json lacks '{name}'; a DFlash draft config needs "
+                        f"{', '.join(_REQUIRED)}."
+                    )
+                continue
+            args[name] = _typed(name, d[name], kind)
+        for name in _REQUIRED:
+            if args[name] <= 0:
+                raise DraftConfigError(f"config.json: '{name}' must be positive.")
+
+        dc = d.get("dflash_config") or {}
+        if not isinstance(dc, dict):
+            raise DraftConfigError("config.json: 'dflash_config' must be an object.")
+        mask = dc.get("mask_token_id", d.get("mask_token_id"))
+        if mask is None:
+            raise DraftConfigError(
+                "config.json lacks dflash_config.mask_token_id; is this a DFlash draft?"
+            )
+        args["mask_token_id"] = _typed("dflash_config.mask_token_id", mask, int)
+
+        D = args["num_hidden_layers"]
+        ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+        T = args.get("num_target_layers")
+        if ids is None:
+            if T is None:
+                raise DraftConfigError(
+                    "config.json gives neither dflash_config.target_layer_ids nor "
+                    "num_target_layers; one is needed to know which target layers "
+                    "feed the draft."
+                )
+            ids = default_layer_ids(T, D)
+        if not isinstance(ids, list) or not ids or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+        ):
+            raise DraftConfigError(
+                "config.json: target_layer_ids must be a non-empty list of "
+                f"non-negative integers, got {ids!r}."
+            )
+        args["target_layer_ids"] = list(ids)
+        args["num_target_layers"] = T if T is not None else max(ids) + 1
+
+        if args.get("block_size", 16) < 1:
+            raise DraftConfigError("config.json: 'block_size' must be at least 1.")
+        rs = d.get("rope_scaling")
+        if rs is not None and not isinstance(rs, dict):
+            raise DraftConfigError("config.json: 'rope_scaling' must be null or an object.")
+        args["rope_scaling"] = rs
+        lt = d.get("layer_types")
+        if lt is not None:
+            if not isinstance(lt, list) or len(lt) != D:
+                raise DraftConfigError(
+                    f"config.json: 'layer_types' must list one type per draft layer ({D})."
+                )
+            if "sliding_attention" in lt and not args.get("sliding_window"):
+                raise DraftConfigError(
+                    "config.json: sliding_attention layers need a positive 'sliding_window'."
+                )
+        args["layer_types"] = lt
+        known = {f.name for f in fields(cls)} | {"dflash_config"}
+        args["extra"] = {k: v for k, v in d.items() if k not in known}
+        return cls(**args)
+
+    @classmethod
+    def from_file(cls, path: Path) -> "DFlashConfig":
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise DraftConfigError(
+                f"No config.json in {Path(path).parent}: a DFlash draft folder needs "
+                "config.json and model.safetensors."
+            ) from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DraftConfigError(f"{path} is not valid JSON ({e}).") from None
+        return cls.from_dict(d)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The config.json of this draft, in the published z-lab layout."""
+        d = dict(self.extra)
+        d.update(
+            architectures=["DFlashDraftModel"],
+            model_type=d.get("model_type", "qwen3"),
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+            attention_bias=self.attention_bias,
+            block_size=self.block_size,
+            num_target_layers=self.num_target_layers,
+            dflash_config={
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": self.target_layer_ids,
+            },
+        )
+        if self.layer_types is not None:
+            d["layer_types"] = self.layer_types
+            d["sliding_window"] = self.sliding_window
+        return d
+
+
+def _typed(name: str, value: Any, kind: type) -> Any:
+    ok = isinstance(value, kind) and not isinstance(value, bool) or (
+        kind is bool and isinstance(value, bool)
+    )
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise DraftConfigError(
+            f"config.json: '{name}' must be {kind.__name__}, got {value!r}."
+        )
+    return value

@@ -1,0 +1,183 @@
+"""The DFlash draft model: Qwen3-style layers whose keys/values also see the
+target's context features, and a bidirectional block of mask tokens."""
+
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from .config import DFlashConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, window: Optional[int] = None):
+        super().__init__()
+        dim, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = hd**-0.5
+        self.window = window
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(dim, self.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(dim, self.n_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * hd, dim, bias=bias)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.rms_norm_eps)
+        self.rope = initialize_rope(
+            hd,
+            base=cfg.rope_theta,
+            traditional=False,
+            scaling_config=cfg.rope_scaling,
+            max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    def _kv(self, x):
+        B, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1))
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
+        return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+    def __call__(self, x, ctx, cache=None, anchors=None):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
+        q = q.transpose(0, 2, 1, 3)
+        kb, vb = self._kv(x)
+        kc, vc = self._kv(ctx)
+        mask = None
+        if cache is not None:
+            kc = self.rope(kc, offset=cache.offset)
+            if kc.shape[2]:
+                kc, vc = cache.update_and_fetch(kc, vc)
+            else:
+                kc, vc = cache.keys_and_values()
+            pos = cache.offset
+            if self.window is not None:
+                # Block queries reach back at most window-1 positions.
+                kc = kc[:, :, -max(self.window - 1, 1) :]
+                vc = vc[:, :, -max(self.window - 1, 1) :]
+                kpos = mx.arange(pos - kc.shape[2], pos)
+                qpos = mx.arange(pos, pos + L)
+                mask = _block_mask(qpos[None], kpos, None, self.window, L)
+        else:
+            # Training: ctx is the whole sequence, x holds one block per anchor.
+            S = kc.shape[2]
+            n = B // kc.shape[0]
+            kc = mx.repeat(self.rope(kc), n, axis=0)
+            vc = mx.repeat(vc, n, axis=0)
+            pos = anchors
+            qpos = anchors[:, None] + mx.arange(L)
+            mask = _block_mask(qpos, mx.arange(S), anchors, self.window, L)
+        q = self.rope(q, offset=pos)
+        kb = self.rope(kb, offset=pos)
+        keys = mx.concatenate([kc, kb], axis=2)
+        values = mx.concatenate([vc, vb], axis=2)
+        out = mx.fast.scaled_dot_product_attention(
+            q, keys, values, scale=self.scale, mask=mask
+        )
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def _block_mask(qpos, kpos, anchors, window, L):
+    """[B, 1, L, C + L] boolean mask: context keys before the anchor (and inside
+    the window, if any), then the whole block."""
+    ok = mx.ones((qpos.shape[0], L, kpos.shape[0]), dtype=mx.bool_)
+    if anchors is not None:
+        ok = ok & (kpos[None, None] < anchors[:, None, None])
+    if window is not None:
+        ok = ok & (qpos[..., None] - kpos[None, None] < window)
+    block = mx.ones((qpos.shape[0], L, L), dtype=mx.bool_)
+    return mx.concatenate([ok, block], axis=-1)[:, None]
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, layer: int):
+        super().__init__()
+        window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        self.self_attn = Attention(cfg, window)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            cfg.hidden_size, eps=cfg.rms_norm_eps
+        )
+
+    def __call__(self, x, ctx, cache=None, anchors=None):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, anchors)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDraft(nn.Module):
+    """A DFlash block-diffusion draft.
+
+    It owns no embedding and no LM head: ``__call__`` takes the target's
+    embedded block and returns hidden states; the caller applies the target's
+    head (see :meth:`propose`).
+    """
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        H, n = config.hidden_size, len(config.target_layer_ids)
+        self.fc = nn.Linear(n * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+        self.layers = [DraftLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=config.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    def make_cache(self) -> List[KVCache]:
+        """One context K/V cache per layer (block K/V are never cached)."""
+        return [KVCache() for _ in self.layers]
+
+    def context(self, features: mx.array) -> mx.array:
+        """Project concatenated target features [B, S, n*H] to the context c."""
+        return self.hidden_norm(self.fc(features))
+
+    def __call__(
+        self,
+        x: mx.array,
+        features: mx.array,
+        cache: Optional[List[KVCache]] = None,
+        anchors: Optional[mx.array] = None,
+    ) -> mx.array:
+        """Hidden states of the block ``x`` (already embedded), given the new
+        target features. With ``cache`` the features extend the cached context
+        and the block sits right after it; without, ``anchors`` gives each
+        block's position in the feature sequence (training)."""
+        ctx = self.context(features)
+        caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, c in zip(self.layers, caches):
+            x = layer(x, ctx, c, anchors)
+        return self.norm(x)
+
+    def propose(
+        self,
+        anchor: mx.array,
+        features: mx.array,
+        cache: List[KVCache],
+        embed: Callable[[mx.array], mx.array],
+        head: Callable[[mx.array], mx.array],
+        block_size: int,
+    ) -> mx.array:
+        """Logits [block_size - 1, V] for the block after ``anchor`` (a 1-element
+        int array), whose position is the cached context length."""
+        mask = mx.full((block_size - 1,), self.config.mask_token_id, anchor.dtype)
+        block = mx.concatenate([anchor.reshape(1), mask])[None]
+        h = self(embed(block), features, cache)
+        return head(h[:, 1:])[0]

@@ -1,0 +1,29 @@
+"""Exception types of dflash_mlx: each says what is wrong and what to do."""
+
+
+class DFlashError(Exception):
+    """Base class of every error dflash_mlx raises on purpose."""
+
+
+class ModelNotFoundError(DFlashError, FileNotFoundError):
+    """A model or draft folder/repo could not be found or fetched."""
+
+
+class DraftConfigError(DFlashError, ValueError):
+    """A draft's config.json is missing, malformed or inconsistent."""
+
+
+class DraftWeightsError(DFlashError, ValueError):
+    """A draft's safetensors are missing, corrupted or do not match its config."""
+
+
+class IncompatibleDraftError(DFlashError, ValueError):
+    """The draft was not made for this target (hidden size, vocabulary, layers)."""
+
+
+class UnsupportedModelError(DFlashError, ValueError):
+    """The target model has a structure dflash_mlx cannot drive."""
+
+
+class GenerationArgumentError(DFlashError, ValueError):
+    """An argument of stream_generate / generate is out of range."""

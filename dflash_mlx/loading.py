@@ -1,0 +1,186 @@
+"""Load targets (through mlx-lm) and DFlash drafts (z-lab format), and check
+that a draft fits its target."""
+
+import glob
+import json
+import warnings
+from pathlib import Path
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .config import DFlashConfig
+from .draft import DFlashDraft
+from .errors import (
+    DraftWeightsError,
+    IncompatibleDraftError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from .target import Target
+
+
+def _on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def _fetch(path_or_repo: str, what: str) -> Path:
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelNotFoundError(f"{what} '{path}' is a file; give its folder.")
+        return path
+    if path_or_repo.count("/") != 1 or path_or_repo.startswith((".", "/", "~")):
+        raise ModelNotFoundError(
+            f"{what} '{path_or_repo}' is neither a local folder nor a hub repo id "
+            "(owner/name)."
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(
+                path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
+            )
+        )
+    except Exception as e:  # network, auth, offline mode, unknown repo
+        raise ModelNotFoundError(
+            f"Could not fetch {what} '{path_or_repo}' from the hub "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}). "
+            "Check the repo id and your connection, or pass a local folder."
+        ) from None
+
+
+def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module, object]:
+    """Load a target model and its tokenizer with ``mlx_lm.load``.
+
+    Args:
+        path_or_repo: A local Hugging Face folder or a hub repo id.
+        dtype: Cast floating weights to this type. Default: float32 on the CPU
+            (half-precision matmuls are slow there), unchanged on the GPU.
+
+    Returns:
+        (model, tokenizer)
+    """
+    import mlx_lm
+
+    path = _fetch(path_or_repo, "Model")
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"No config.json in {path}; is it a model folder?")
+    try:
+        model, tokenizer = mlx_lm.load(str(path))
+    except ValueError as e:
+        raise UnsupportedModelError(f"mlx-lm cannot load {path}: {e}") from None
+    except (FileNotFoundError, OSError, RuntimeError) as e:
+        raise ModelNotFoundError(f"Could not load the model in {path}: {e}") from None
+    dtype = dtype or (mx.float32 if _on_cpu() else None)
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return model, tokenizer
+
+
+def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDraft:
+    """Load a DFlash draft in the published z-lab format.
+
+    Args:
+        path_or_repo: A local folder with config.json and *.safetensors, or a
+            hub repo id (only *.json and *.safetensors are downloaded).
+        dtype: Weight type. Default: float32 on the CPU, else as stored.
+    """
+    path = _fetch(path_or_repo, "Draft")
+    config = DFlashConfig.from_file(path / "config.json")
+    draft = DFlashDraft(config)
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
+        raise DraftWeightsError(f"No *.safetensors file in {path}.")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(f))
+        except Exception as e:
+            raise DraftWeightsError(
+                f"{f} is not a readable safetensors file ({e}); download it again."
+            ) from None
+    expected = dict(tree_flatten(draft.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {_few(unexpected)}")
+        raise DraftWeightsError(
+            f"Draft weights in {path} do not match its config.json: "
+            + "; ".join(parts) + "."
+        )
+    for k, w in weights.items():
+        if w.shape != expected[k].shape:
+            raise DraftWeightsError(
+                f"Draft weight '{k}' has shape {tuple(w.shape)}, config.json implies "
+                f"{tuple(expected[k].shape)}."
+            )
+    dtype = dtype or (mx.float32 if _on_cpu() else None)
+    if dtype is not None:
+        weights = {k: w.astype(dtype) for k, w in weights.items()}
+    draft.update(tree_unflatten(list(weights.items())))
+    mx.eval(draft.parameters())
+    draft.eval()
+    return draft
+
+
+def save_draft(draft: DFlashDraft, path: str, dtype: mx.Dtype = mx.bfloat16) -> None:
+    """Write ``draft`` as a z-lab-format folder (config.json, model.safetensors).
+    Files are written under temporary names and renamed, so a failure leaves
+    no half-written draft."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(dtype) for k, v in tree_flatten(draft.parameters())}
+    tmp_w, tmp_c = out / ".model.tmp.safetensors", out / ".config.tmp.json"
+    try:
+        mx.save_safetensors(str(tmp_w), weights, metadata={"format": "mlx"})
+        tmp_c.write_text(json.dumps(draft.config.to_dict(), indent=2) + "\n")
+        tmp_w.rename(out / "model.safetensors")
+        tmp_c.rename(out / "config.json")
+    finally:
+        for t in (tmp_w, tmp_c):
+            t.unlink(missing_ok=True)
+
+
+def check_compatible(draft: DFlashDraft, model: nn.Module) -> None:
+    """Raise IncompatibleDraftError if ``draft`` cannot run on ``model``."""
+    cfg, target = draft.config, Target(model)
+    if cfg.hidden_size != target.hidden_size:
+        raise IncompatibleDraftError(
+            f"Draft hidden_size {cfg.hidden_size} != target hidden size "
+            f"{target.hidden_size}: this draft was made for another target."
+        )
+    if cfg.vocab_size != target.vocab_rows:
+        raise IncompatibleDraftError(
+            f"Draft vocab_size {cfg.vocab_size} != target embedding rows "
+            f"{target.vocab_rows}: the draft and target use different vocabularies."
+        )
+    bad = [i for i in cfg.target_layer_ids if i >= target.num_layers]
+    if bad:
+        raise IncompatibleDraftError(
+            f"Draft reads target layers {bad}, but the target has only "
+            f"{target.num_layers} layers: this draft was made for a deeper target."
+        )
+    if not 0 <= cfg.mask_token_id < target.vocab_rows:
+        raise IncompatibleDraftError(
+            f"Draft mask_token_id {cfg.mask_token_id} is outside the target's "
+            f"embedding table ({target.vocab_rows} rows)."
+        )
+    if cfg.num_target_layers != target.num_layers:
+        warnings.warn(
+            f"Draft was trained for a {cfg.num_target_layers}-layer target; this "
+            f"target has {target.num_layers}. Output stays exact, acceptance may drop.",
+            stacklevel=2,
+        )
+
+
+def _few(names, n=4):
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more

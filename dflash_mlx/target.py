@@ -1,0 +1,168 @@
+"""The target adapter: find the layers, embedding and head of an mlx-lm model,
+and capture hidden states at chosen layers for one forward pass.
+
+Capture works by swapping entries of this model instance's layer list (and, for
+gated-DeltaNet layers, two of their submodules) for thin recording wrappers,
+only for the duration of one forward call; they are always put back. Nothing is
+changed on mlx-lm classes, so other models in the process are never affected.
+"""
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from .errors import UnsupportedModelError
+
+
+class _Tap(nn.Module):
+    """Calls ``module`` and keeps its first input or its output."""
+
+    def __init__(self, module: nn.Module, keep: str):
+        super().__init__()
+        self.module = module
+        self.keep = keep
+        self.value = None
+
+    def __getattr__(self, key):
+        # Models read flags off their layers (is_linear, use_sliding, ...).
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            if "module" not in self:
+                raise
+            return getattr(dict.__getitem__(self, "module"), key)
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.module(x, *args, **kwargs)
+        self.value = x if self.keep == "input" else out
+        return out
+
+
+_locks: Dict[int, threading.RLock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(model: nn.Module) -> threading.RLock:
+    """One lock per model instance: forwards that install taps never overlap."""
+    with _locks_guard:
+        key = id(model)
+        if key not in _locks:
+            _locks[key] = threading.RLock()
+            weakref.finalize(model, _locks.pop, key, None)
+        return _locks[key]
+
+
+class Target:
+    """An mlx-lm model seen as a DFlash target."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.inner, outer = _find_inner(model)
+        self.layers: List[nn.Module] = self.inner.layers
+        self.embed = self.inner.embed_tokens
+        lm_head = getattr(outer, "lm_head", None)
+        self.head = lm_head if lm_head is not None else self.embed.as_linear
+        self.lock = _lock_for(model)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.weight.shape[1] * _pack_factor(self.embed)
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.embed.weight.shape[0]
+
+    def make_cache(self) -> list:
+        return make_prompt_cache(self.model)
+
+    def forward(
+        self,
+        tokens: mx.array,
+        cache: list,
+        layer_ids: List[int],
+        record: bool = False,
+    ) -> Tuple[mx.array, mx.array, Optional[List]]:
+        """Run the target on ``tokens`` [L] and return its logits [L, V], the
+        concatenated outputs of ``layer_ids`` [1, L, n*H], and with ``record``
+        what :mod:`rollback` needs to replay the recurrent layers."""
+        with self.lock, self._taps(layer_ids, cache if record else None) as (
+            taps,
+            tape,
+        ):
+            logits = self.model(tokens[None], cache=cache)
+            feats = [taps[i].value for i in layer_ids]
+        features = mx.concatenate(feats, axis=-1) if feats else None
+        if tape is not None:
+            tape = [(c, s, gdn, inp.value, conv.value) for _, c, s, gdn, inp, conv in tape]
+        return logits[0], features, tape
+
+    @contextmanager
+    def _taps(self, layer_ids, cache):
+        taps: Dict[int, _Tap] = {}
+        tape = []
+        try:
+            for i in sorted(set(layer_ids)):
+                taps[i] = self.layers[i] = _Tap(self.layers[i], "output")
+            if cache is not None:
+                for i, c in enumerate(cache):
+                    if not isinstance(c, ArraysCache):
+                        continue
+                    layer = self.layers[i]
+                    layer = layer.module if isinstance(layer, _Tap) else layer
+                    gdn = _gated_delta(layer)
+                    inp, conv = _Tap(gdn, "input"), _Tap(gdn.conv1d, "input")
+                    tape.append((i, c, list(c.cache), gdn, inp, conv))
+                    gdn.conv1d, layer.linear_attn = conv, inp
+            yield taps, tape
+        finally:
+            for i, tap in taps.items():
+                self.layers[i] = tap.module
+            for i, _, _, gdn, inp, conv in tape:
+                layer = self.layers[i]
+                layer.linear_attn = gdn
+                gdn.conv1d = conv.module
+
+
+def _gated_delta(layer: nn.Module) -> nn.Module:
+    gdn = getattr(layer, "linear_attn", None)
+    if gdn is None or not hasattr(gdn, "conv1d") or not hasattr(gdn, "A_log"):
+        raise UnsupportedModelError(
+            f"{type(layer).__module__}: this target has recurrent layers that are not "
+            "gated-DeltaNet (Qwen3.5/Qwen3-Next style); dflash_mlx cannot roll them "
+            "back exactly. Use block_size=1 or a supported target."
+        )
+    return gdn
+
+
+def _find_inner(model: nn.Module):
+    """The decoder stack (with .layers and .embed_tokens) and its owner."""
+    outer = model
+    for _ in range(3):
+        inner = getattr(outer, "model", None)
+        if inner is not None and hasattr(inner, "layers") and hasattr(
+            inner, "embed_tokens"
+        ):
+            return inner, outer
+        nxt = getattr(outer, "language_model", None)
+        if nxt is None:
+            break
+        outer = nxt
+    raise UnsupportedModelError(
+        f"Cannot find the decoder layers of {type(model).__module__}.{type(model).__name__}: "
+        "dflash_mlx expects layers and embed_tokens under model.model, "
+        "or language_model.model, as mlx-lm text models have."
+    )
+
+
+def _pack_factor(embed: nn.Module) -> int:
+    bits = getattr(embed, "bits", None)
+    return 32 // bits if bits else 1

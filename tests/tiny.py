@@ -1,0 +1,182 @@
+"""Tiny models of real mlx-lm architectures, saved as real Hugging Face folders.
+
+Every folder holds config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json, and is loaded back through the project's real loaders.
+"""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes, quantize_model
+
+from dflash_mlx.config import DFlashConfig
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.loading import save_draft
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HIDDEN = 64
+
+
+def corpus_files(n: int = 12):
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    return [str(p) for p in sorted(lib.glob("*.py"))[:n]]
+
+
+def write_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """Train a byte-level BPE on stdlib source; return its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train(corpus_files(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return tok.get_vocab_size()
+
+
+def target_config(arch: str, vocab: int, layers: int = 6) -> dict:
+    base = dict(
+        hidden_size=HIDDEN,
+        num_hidden_layers=layers,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    if arch in ("qwen3", "qwen3_4bit"):
+        return dict(base, model_type="qwen3")
+    if arch == "llama":
+        return dict(base, model_type="llama", tie_word_embeddings=True)
+    linear = dict(
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=3,
+        partial_rotary_factor=0.5,
+    )
+    if arch == "qwen3_5":
+        text = dict(base, **linear, model_type="qwen3_5_text")
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+        }
+        return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+    if arch == "qwen3_next":
+        return dict(
+            base,
+            **linear,
+            model_type="qwen3_next",
+            num_experts=4,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    raise ValueError(arch)
+
+
+def make_target(folder: Path, arch: str, seed: int = 0, layers: int = 6) -> Path:
+    """Write a random tiny target of ``arch`` to ``folder``."""
+    n_tok = write_tokenizer(folder)
+    vocab = n_tok + 16  # padded rows, like Qwen's embedding table
+    config = target_config(arch, vocab, layers)
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(config))
+    _scale_embedding(model)
+    if arch.endswith("4bit"):
+        model, config = quantize_model(model, config, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    mx.save_safetensors(
+        str(folder / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _scale_embedding(model):
+    # Unit-variance embeddings with an untied random head give nearly flat
+    # logits; a larger head makes greedy choices clear-cut, as in real models.
+    for name, m in model.named_modules():
+        if name.endswith("lm_head") and isinstance(m, nn.Linear):
+            m.weight = m.weight * 8.0
+
+
+def make_draft(
+    folder: Path,
+    target_folder: Path,
+    layers: int = 2,
+    block_size: int = 16,
+    seed: int = 1,
+    with_layer_ids: bool = True,
+    mask_token_id: int = None,
+    **overrides,
+) -> Path:
+    """Write a random z-lab-format draft (bf16 weights) for the target."""
+    tcfg = json.loads((target_folder / "config.json").read_text())
+    text = tcfg.get("text_config", tcfg)
+    T = text["num_hidden_layers"]
+    d = dict(
+        architectures=["DFlashDraftModel"],
+        model_type="qwen3",
+        hidden_size=text["hidden_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        vocab_size=text["vocab_size"],
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position_embeddings=4096,
+        attention_bias=False,
+        block_size=block_size,
+        num_target_layers=T,
+        dflash_config={
+            "mask_token_id": text["vocab_size"] - 16 if mask_token_id is None else mask_token_id
+        },
+    )
+    if with_layer_ids:
+        d["dflash_config"]["target_layer_ids"] = list(range(1, T, max(1, T // layers)))[:layers]
+    d.update(overrides)
+    mx.random.seed(seed)
+    draft = DFlashDraft(DFlashConfig.from_dict(d))
+    mx.eval(draft.parameters())
+    folder.mkdir(parents=True, exist_ok=True)
+    save_draft(draft, str(folder))
+    (folder / "config.json").write_text(json.dumps(d, indent=2))
+    return folder

@@ -11,7 +11,7 @@ from .errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from .generate import GenerationResponse, generate, stream_generate
+from .decoding import GenerationResponse, generate, stream_generate
 from .loading import check_compatible, load, load_draft, save_draft
 
 __version__ = "0.1.0"

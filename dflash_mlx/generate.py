@@ -1,258 +1,163 @@
-"""DFlash speculative generation: the decoding loop and its responses."""
+"""`python -m dflash_mlx.generate`: stream DFlash generation in a terminal.
 
-import time
-from dataclasses import dataclass, field
-from typing import Callable, Generator, List, Optional, Union
+The decoding loop itself lives in :mod:`dflash_mlx.decoding`; its public
+functions are re-exported here for `from dflash_mlx.generate import ...`.
+"""
 
-import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.tokenizer_utils import TokenizerWrapper
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+from typing import List, Optional
 
-from .draft import DFlashDraft
-from .errors import GenerationArgumentError
-from .loading import check_compatible
-from .rollback import check_rollback, rollback
-from .sampling import Sampler, accepted, make_sampler, process
-from .target import Target
+from .decoding import GenerationResponse, generate, print_stats, stream_generate
 
+DEMO = Path(__file__).parent / "demo"
+DEMO_PROMPT = "def binary_search(items, target):\n"
 
-@dataclass
-class GenerationResponse:
-    """One round of :func:`stream_generate`.
-
-    Args:
-        text: The text decoded from this round's tokens (may be empty).
-        token: The last token of this round.
-        tokens: The token ids committed this round (an EOS that ends the
-            generation included, as mlx-lm reports it).
-        accepted: Tokens committed this round, bonus included (1..block size).
-        prompt_tokens, prompt_tps: Prompt length and prefill speed.
-        generation_tokens, generation_tps: Tokens generated so far and their
-            rate since the first one.
-        peak_memory: Peak MLX memory so far, in GB.
-        finish_reason: "stop", "length" or None.
-    """
-
-    text: str
-    token: int
-    tokens: List[int]
-    accepted: int
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float
-    finish_reason: Optional[str] = None
-    rounds: int = 0
-    logprobs: Optional[mx.array] = field(default=None, repr=False)
-    from_draft: bool = False
-
-    @property
-    def mean_accepted(self) -> float:
-        """Mean tokens committed per decoding round so far (tau)."""
-        return (self.generation_tokens - 1) / self.rounds if self.rounds else 0.0
+# Published z-lab drafts, keyed by the target's base name (lower case).
+KNOWN_DRAFTS = {
+    "qwen3-4b": "z-lab/Qwen3-4B-DFlash-b16",
+    "qwen3-8b": "z-lab/Qwen3-8B-DFlash-b16",
+    "qwen3.5-4b": "z-lab/Qwen3.5-4B-DFlash",
+    "qwen3.5-9b": "z-lab/Qwen3.5-9B-DFlash",
+    "qwen3.5-27b": "z-lab/Qwen3.5-27B-DFlash",
+    "qwen3.5-35b-a3b": "z-lab/Qwen3.5-35B-A3B-DFlash",
+    "qwen3.5-122b-a10b": "z-lab/Qwen3.5-122B-A10B-DFlash",
+    "qwen3.6-27b": "z-lab/Qwen3.6-27B-DFlash",
+    "qwen3.6-35b-a3b": "z-lab/Qwen3.6-35B-A3B-DFlash",
+    "qwen3-coder-30b-a3b": "z-lab/Qwen3-Coder-30B-A3B-DFlash",
+    "qwen3-coder-next": "z-lab/Qwen3-Coder-Next-DFlash",
+    "gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
+    "gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
+    "kimi-k2.5": "z-lab/Kimi-K2.5-DFlash",
+    "llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+    "meta-llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
+}
 
 
-def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise GenerationArgumentError("The prompt is empty; give some text.")
-        bos = tokenizer.bos_token
-        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    elif isinstance(prompt, mx.array):
-        ids = prompt.reshape(-1).tolist()
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise GenerationArgumentError("The prompt has no tokens; give some text.")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise GenerationArgumentError("A token prompt must hold integer ids only.")
-    return ids
+def known_draft(model: str) -> Optional[str]:
+    """The z-lab draft for a published target, by name (quantized and
+    community conversions included), or None."""
+    name = Path(model.rstrip("/")).name.lower()
+    best = None
+    for key in KNOWN_DRAFTS:
+        if re.match(re.escape(key) + r"($|[-_.])", name) and (
+            best is None or len(key) > len(best)
+        ):
+            best = key
+    return KNOWN_DRAFTS[best] if best else None
 
 
-def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed):
-    trained = draft.block_size if draft is not None else 1
-    if block_size is None:
-        block_size = trained
-    if not isinstance(block_size, int) or block_size < 1:
-        raise GenerationArgumentError(f"block_size must be a positive integer, got {block_size!r}.")
-    if block_size > trained:
-        raise GenerationArgumentError(
-            f"block_size {block_size} is larger than the draft was trained for "
-            f"({trained}); use {trained} or less."
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_mlx.generate",
+        description="Generate with DFlash speculative decoding (exactly the target's output, faster).",
+    )
+    p.add_argument("--model", help="Target model folder or hub id (default: the embedded demo target).")
+    p.add_argument("--draft", help="DFlash draft folder or hub id (default: the published draft for --model).")
+    p.add_argument("--prompt", "-p", help="The prompt; '-' reads it from stdin.")
+    p.add_argument("--system", help="A system message for the chat template.")
+    p.add_argument("--no-chat-template", action="store_true", help="Use the prompt as raw text.")
+    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy).")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None, help="Block size (default: the draft's; 1 = plain decoding).")
+    p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
+    return p
+
+
+def _prompt(args, tokenizer, demo: bool) -> str:
+    text = args.prompt
+    if text == "-":
+        text = sys.stdin.read()
+    if text is None:
+        text = DEMO_PROMPT if demo else "Explain speculative decoding in two sentences."
+    use_template = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
+    if demo or not use_template:
+        if args.system and not use_template:
+            raise ValueError("--system needs a tokenizer with a chat template.")
+        return text
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _resolve(args):
+    demo = args.model is None
+    if demo:
+        if not (DEMO / "target" / "config.json").exists():
+            raise FileNotFoundError(
+                "No --model given and the embedded demo pair is not installed; "
+                "pass --model and --draft (or run `make demo-pair`)."
+            )
+        return str(DEMO / "target"), args.draft or str(DEMO / "draft"), True
+    draft = args.draft or known_draft(args.model)
+    if draft is None and args.block_size != 1:
+        raise ValueError(
+            f"No --draft given and no published DFlash draft is known for '{args.model}'; "
+            "pass --draft (or --block-size 1 for plain decoding)."
         )
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise GenerationArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}.")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise GenerationArgumentError(f"temperature must be >= 0, got {temperature!r}.")
-    if top_p and not 0 < top_p <= 1:
-        raise GenerationArgumentError(f"top_p must be in (0, 1], got {top_p!r}.")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise GenerationArgumentError(f"top_k must be a non-negative integer, got {top_k!r}.")
-    if not 0 <= min_p <= 1:
-        raise GenerationArgumentError(f"min_p must be in [0, 1], got {min_p!r}.")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise GenerationArgumentError(f"seed must be an integer, got {seed!r}.")
-    return block_size
+    return args.model, draft, False
 
 
-def stream_generate(
-    model: nn.Module,
-    draft: Optional[DFlashDraft],
-    tokenizer,
-    prompt: Union[str, List[int], mx.array],
-    block_size: Optional[int] = None,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    sampler: Optional[Sampler] = None,
-    top_p: float = 0.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    logits_processors: Optional[List[Callable]] = None,
-    seed: Optional[int] = None,
-    prefill_step_size: int = 2048,
-) -> Generator[GenerationResponse, None, None]:
-    """Generate with DFlash speculative decoding, one response per round.
-
-    The output is exactly the target's own: token-identical to plain greedy
-    decoding at temperature 0, and distributed as the target's sampling
-    otherwise.
-
-    Args:
-        model: The target, an mlx-lm model.
-        draft: A DFlash draft made for this target (``None`` decodes plainly).
-        tokenizer: The target's tokenizer (mlx-lm ``TokenizerWrapper`` or HF).
-        prompt: Text, token ids, or an ``mx.array`` of ids.
-        block_size: Tokens per block (anchor included); default the draft's.
-            1 is plain decoding. Larger than the draft's is refused.
-        max_tokens: The most tokens to generate.
-        temperature: 0 for greedy; else sampling temperature.
-        sampler: A custom sampler over log-probability rows [N, V] -> [N];
-            overrides temperature/top_p/top_k/min_p/seed.
-        top_p, top_k, min_p: Filters, as in ``mlx_lm.sample_utils``.
-        logits_processors: mlx-lm logits processors (e.g. repetition penalty).
-        seed: Make sampling reproducible without touching MLX's global RNG.
-        prefill_step_size: Prompt tokens per prefill forward pass.
-    """
-    bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    ids = _prompt_ids(tokenizer, prompt)
-    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k, seed)
-    target = Target(model)
-    if draft is not None:
-        check_compatible(draft, model)
-    layer_ids = draft.config.target_layer_ids if draft is not None and bs > 1 else []
-    cache = target.make_cache()
-    if bs > 1:
-        check_rollback(cache)
-    dcache = draft.make_cache() if layer_ids else None
-    record = bs > 1
-    eos = set(tokenizer.eos_token_ids)
-    detok = tokenizer.detokenizer
-    detok.reset()
-
-    tic = time.perf_counter()
-    history = list(ids)
-    feats = []
-    for i in range(0, len(ids), prefill_step_size):
-        chunk = mx.array(ids[i : i + prefill_step_size])
-        logits, f, _ = target.forward(chunk, cache, layer_ids)
-        if f is not None:
-            feats.append(f)
-        if i + prefill_step_size < len(ids):
-            mx.eval([c.state for c in cache] + feats)
-    pending = mx.concatenate(feats, axis=1) if feats else None
-    logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), logits_processors)
-    first = sampler(logp)
-    tokens = [first.item()]
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
-    tic = time.perf_counter()
-
-    n, rounds = 0, 0
-    while True:
-        # Commit `tokens`, up to an EOS or max_tokens, and report the round.
-        finish = None
-        new = []
-        for t in tokens:
-            new.append(t)
-            n += 1
-            if t in eos:
-                finish = "stop"
-                break
-            detok.add_token(t)
-            if n == max_tokens:
-                finish = "length"
-                break
-        if finish:
-            detok.finalize()
-        text = detok.last_segment
-        history.extend(new)
-        yield GenerationResponse(
-            text=text,
-            token=new[-1],
-            tokens=new,
-            accepted=len(tokens),
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            rounds=rounds,
-            from_draft=len(tokens) > 1,
-        )
-        if finish:
-            return
-
-        anchor = mx.array(history[-1:])
-        if layer_ids:
-            dlogits = draft.propose(anchor, pending, dcache, target.embed, target.head, bs)
-            proposal = mx.argmax(dlogits, axis=-1).astype(anchor.dtype)
-            block = mx.concatenate([anchor, proposal])
-        else:
-            block = anchor
-        logits, f, tape = target.forward(block, cache, layer_ids, record)
-        choice = sampler(process(logits, mx.array(history[:-1]), block, logits_processors))
-        a = accepted(proposal, choice) if layer_ids else mx.array(0)
-        out = mx.concatenate([choice.astype(mx.int32), a.reshape(1).astype(mx.int32)]).tolist()
-        a = out[-1]
-        tokens = out[: a + 1]
-        rollback(cache, tape, a + 1, block.shape[0])
-        if layer_ids:
-            pending = f[:, : a + 1]
-        rounds += 1
+def _preload_blas(argv: List[str]) -> None:
+    """On Linux, re-run once with the system OpenBLAS preloaded: MLX-CPU's
+    bundled BLAS is ~30x slower. Skipped when absent or already done."""
+    if sys.platform != "linux" or os.environ.get("DFLASH_NO_REEXEC"):
+        return
+    for lib in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
+        if os.path.exists(lib):
+            if lib in os.environ.get("LD_PRELOAD", ""):
+                return
+            env = dict(os.environ, DFLASH_NO_REEXEC="1")
+            env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+            os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.generate", *argv], env)
 
 
-def generate(
-    model: nn.Module,
-    draft: Optional[DFlashDraft],
-    tokenizer,
-    prompt: Union[str, List[int], mx.array],
-    verbose: bool = False,
-    **kwargs,
-) -> str:
-    """Generate the full text; with ``verbose`` stream it and print statistics.
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    from . import DFlashError, load, load_draft
 
-    Takes the arguments of :func:`stream_generate`.
-    """
-    text, last = "", None
-    for last in stream_generate(model, draft, tokenizer, prompt, **kwargs):
-        if verbose:
+    try:
+        model_path, draft_path, demo = _resolve(args)
+        model, tokenizer = load(model_path)
+        draft = None if args.block_size == 1 else load_draft(draft_path)
+        prompt = _prompt(args, tokenizer, demo)
+        processors = None
+        if args.repetition_penalty:
+            from mlx_lm.sample_utils import make_logits_processors
+
+            processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
+        last = None
+        for last in stream_generate(
+            model, draft, tokenizer, prompt,
+            block_size=args.block_size, max_tokens=args.max_tokens,
+            temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+            min_p=args.min_p, seed=args.seed, logits_processors=processors,
+        ):
             print(last.text, end="", flush=True)
-        text += last.text
-    if verbose:
         print()
-        print_stats(last)
-    return text
+        if not args.quiet:
+            print("=" * 10)
+            print_stats(last)
+        return 0
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+    except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
+        if os.environ.get("DFLASH_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
-def print_stats(r: GenerationResponse, out=None) -> None:
-    """mlx-lm style statistics lines, plus the mean acceptance length."""
-    import sys
-
-    out = out or sys.stdout
-    print(f"Prompt: {r.prompt_tokens} tokens, {r.prompt_tps:.3f} tokens-per-sec", file=out)
-    print(f"Generation: {r.generation_tokens} tokens, {r.generation_tps:.3f} tokens-per-sec", file=out)
-    print(f"Mean acceptance length: {r.mean_accepted:.2f} tokens per round ({r.rounds} rounds)", file=out)
-    print(f"Peak memory: {r.peak_memory:.3f} GB", file=out)
+if __name__ == "__main__":
+    _preload_blas(sys.argv[1:])
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+# dflash_mlx: `make demo` runs the embedded demo pair, `make test` runs the tests.
+# Both create .venv and install what they need (on Linux also the system
+# OpenBLAS, which makes MLX's CPU backend ~30x faster than its bundled BLAS).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+BLAS = $(firstword $(wildcard /usr/lib/x86_64-linux-gnu/libopenblas.so.0 /usr/lib/aarch64-linux-gnu/libopenblas.so.0 /usr/lib64/libopenblas.so.0))
+RUN = $(if $(BLAS),LD_PRELOAD=$(BLAS) )$(PY)
+
+.PHONY: install blas test demo bench clean
+
+install: $(VENV)/.installed blas
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+# Best effort: Debian/Ubuntu as root. Elsewhere MLX still works, only slower.
+blas:
+	@if [ "$$(uname)" = "Linux" ] && [ -z "$(BLAS)" ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && apt-get install -y -qq libopenblas0-pthread) >/dev/null 2>&1 \
+		|| echo "note: could not install libopenblas0-pthread; MLX-CPU will be slow"; \
+	fi
+
+test: install
+	$(MAKE) --no-print-directory _test
+
+_test:
+	$(RUN) -m pytest -q tests
+
+demo: install
+	$(MAKE) --no-print-directory _demo
+
+_demo:
+	$(RUN) -m dflash_mlx.generate
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -2,7 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, List, Optional, Union
+from typing import Callable, Dict, Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -44,13 +44,16 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     rounds: int = 0
+    committed: int = 0
+    timing: Optional[Dict[str, float]] = None
     logprobs: Optional[mx.array] = field(default=None, repr=False)
     from_draft: bool = False
 
     @property
     def mean_accepted(self) -> float:
-        """Mean tokens committed per decoding round so far (tau)."""
-        return (self.generation_tokens - 1) / self.rounds if self.rounds else 0.0
+        """Mean tokens committed per decoding round so far (tau); the first
+        token, which comes from the prefill, is not a round."""
+        return self.committed / self.rounds if self.rounds else 0.0
 
 
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
@@ -111,6 +114,7 @@ def stream_generate(
     logits_processors: Optional[List[Callable]] = None,
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
+    profile: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per round.
 
@@ -133,6 +137,8 @@ def stream_generate(
         logits_processors: mlx-lm logits processors (e.g. repetition penalty).
         seed: Make sampling reproducible without touching MLX's global RNG.
         prefill_step_size: Prompt tokens per prefill forward pass.
+        profile: Synchronise after each phase and report its time in
+            ``response.timing`` (slightly slower; for benchmarks).
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -164,12 +170,14 @@ def stream_generate(
             mx.eval([c.state for c in cache] + feats)
     pending = mx.concatenate(feats, axis=1) if feats else None
     logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), logits_processors)
+    if pending is not None:
+        mx.eval(pending)
     first = sampler(logp)
     tokens = [first.item()]
     prompt_tps = len(ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
 
-    n, rounds = 0, 0
+    n, rounds, committed, timing = 0, 0, 0, None
     while True:
         # Commit `tokens`, up to an EOS or max_tokens, and report the round.
         finish = None
@@ -200,20 +208,26 @@ def stream_generate(
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=finish,
             rounds=rounds,
+            committed=committed,
+            timing=timing,
             from_draft=len(tokens) > 1,
         )
         if finish:
             return
 
+        clock = _Clock(profile)
         anchor = mx.array(history[-1:])
         if layer_ids:
             dlogits = draft.propose(anchor, pending, dcache, target.embed, target.head, bs)
             proposal = mx.argmax(dlogits, axis=-1).astype(anchor.dtype)
             block = mx.concatenate([anchor, proposal])
+            clock.lap("draft", proposal)
         else:
             block = anchor
         logits, f, tape = target.forward(block, cache, layer_ids, record)
-        choice = sampler(process(logits, mx.array(history[:-1]), block, logits_processors))
+        clock.lap("verify", logits)
+        seen = mx.array(history[:-1]) if logits_processors else None
+        choice = sampler(process(logits, seen, block, logits_processors))
         a = accepted(proposal, choice) if layer_ids else mx.array(0)
         out = mx.concatenate([choice.astype(mx.int32), a.reshape(1).astype(mx.int32)]).tolist()
         a = out[-1]
@@ -221,7 +235,24 @@ def stream_generate(
         rollback(cache, tape, a + 1, block.shape[0])
         if layer_ids:
             pending = f[:, : a + 1]
+        clock.lap("accept", [c.state for c in cache])
+        timing = clock.laps if profile else None
         rounds += 1
+        committed += len(tokens)
+
+
+class _Clock:
+    """Phase times of one round; only synchronises when profiling."""
+
+    def __init__(self, on: bool):
+        self.on, self.laps, self.t = on, {}, time.perf_counter()
+
+    def lap(self, name: str, arrays) -> None:
+        if self.on:
+            mx.eval(arrays)
+            now = time.perf_counter()
+            self.laps[name] = now - self.t
+            self.t = now
 
 
 def generate(

@@ -114,6 +114,7 @@ def stream_generate(
     logits_processors: Optional[List[Callable]] = None,
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
+    prompt_cache: Optional[list] = None,
     profile: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per round.
@@ -137,6 +138,9 @@ def stream_generate(
         logits_processors: mlx-lm logits processors (e.g. repetition penalty).
         seed: Make sampling reproducible without touching MLX's global RNG.
         prefill_step_size: Prompt tokens per prefill forward pass.
+        prompt_cache: A target cache from ``mlx_lm.models.cache.make_prompt_cache``
+            holding earlier turns; the prompt continues it, and it is updated
+            in place (after each response it holds every token but the last).
         profile: Synchronise after each phase and report its time in
             ``response.timing`` (slightly slower; for benchmarks).
     """
@@ -149,7 +153,7 @@ def stream_generate(
     if draft is not None:
         check_compatible(draft, model)
     layer_ids = draft.config.target_layer_ids if draft is not None and bs > 1 else []
-    cache = target.make_cache()
+    cache = prompt_cache if prompt_cache is not None else target.make_cache()
     if bs > 1:
         check_rollback(cache)
     dcache = draft.make_cache() if layer_ids else None

@@ -58,7 +58,7 @@ def write_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
-def target_config(arch: str, vocab: int, layers: int = 6) -> dict:
+def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) -> dict:
     base = dict(
         hidden_size=HIDDEN,
         num_hidden_layers=layers,
@@ -70,7 +70,7 @@ def target_config(arch: str, vocab: int, layers: int = 6) -> dict:
         vocab_size=vocab,
         max_position_embeddings=4096,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     if arch in ("qwen3", "qwen3_4bit"):
         return dict(base, model_type="qwen3")
@@ -92,7 +92,7 @@ def target_config(arch: str, vocab: int, layers: int = 6) -> dict:
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.5,
         }
-        return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": False}
+        return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": tied}
     if arch == "qwen3_next":
         return dict(
             base,
@@ -108,11 +108,16 @@ def target_config(arch: str, vocab: int, layers: int = 6) -> dict:
     raise ValueError(arch)
 
 
-def make_target(folder: Path, arch: str, seed: int = 0, layers: int = 6) -> Path:
-    """Write a random tiny target of ``arch`` to ``folder``."""
+def make_target(
+    folder: Path, arch: str, seed: int = 0, layers: int = 6, tied: bool = False
+) -> Path:
+    """Write a random tiny target of ``arch`` to ``folder``.
+
+    A ``tied`` target (embedding used as its head) tends to repeat its input
+    token, which gives a draft something it can predict."""
     n_tok = write_tokenizer(folder)
     vocab = n_tok + 16  # padded rows, like Qwen's embedding table
-    config = target_config(arch, vocab, layers)
+    config = target_config(arch, vocab, layers, tied or arch == "llama")
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
@@ -143,9 +148,14 @@ def make_draft(
     seed: int = 1,
     with_layer_ids: bool = True,
     mask_token_id: int = None,
+    echo: bool = False,
     **overrides,
 ) -> Path:
-    """Write a random z-lab-format draft (bf16 weights) for the target."""
+    """Write a random z-lab-format draft (bf16 weights) for the target.
+
+    With ``echo`` every residual branch is zero, so the draft proposes
+    head(norm(embed(mask_token_id))) at every offset: for a tied target that
+    is the mask token itself, a real draft whose guesses are predictable."""
     tcfg = json.loads((target_folder / "config.json").read_text())
     text = tcfg.get("text_config", tcfg)
     T = text["num_hidden_layers"]
@@ -175,6 +185,10 @@ def make_draft(
     d.update(overrides)
     mx.random.seed(seed)
     draft = DFlashDraft(DFlashConfig.from_dict(d))
+    if echo:
+        for layer in draft.layers:
+            layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+            layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     mx.eval(draft.parameters())
     folder.mkdir(parents=True, exist_ok=True)
     save_draft(draft, str(folder))

@@ -1,0 +1,61 @@
+"""Greedy DFlash output is token-identical to mlx-lm decoding the target alone."""
+
+import pytest
+
+from conftest import ARCHS, HYBRID
+from util import dflash_tokens, mlx_run, mlx_tokens, runs
+
+PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_draft_is_lossless(arch, loaded, draft_for):
+    model, tok, folder = loaded(arch)
+    draft = draft_for(folder)
+    for prompt in PROMPTS:
+        ref, text = mlx_run(model, tok, prompt, 40)
+        for bs in (1, 4, 16):
+            out, rs = dflash_tokens(model, draft, tok, prompt, block_size=bs, max_tokens=40)
+            assert out == ref, (arch, prompt, bs)
+            assert "".join(r.text for r in rs) == text
+
+
+@pytest.mark.parametrize("arch", ["qwen3", *HYBRID])
+def test_accepting_draft_is_lossless(arch, loaded, draft_for):
+    """An echo draft (always guesses one token) is accepted along runs of
+    that token and rejected mid-block where the run ends."""
+    model, tok, folder = loaded(arch, tied=True)
+    seen_partial = seen_full = False
+    for prompt in PROMPTS:
+        ref = mlx_tokens(model, tok, prompt, 60)
+        for t in runs(ref)[:2]:
+            draft = draft_for(folder, mask_token_id=t, echo=True)
+            for bs in (4, 16):
+                out, rs = dflash_tokens(model, draft, tok, prompt, block_size=bs, max_tokens=60)
+                assert out == ref, (arch, prompt, t, bs)
+                acc = [r.accepted for r in rs[1:] if r.finish_reason is None]
+                seen_full |= bs in acc
+                seen_partial |= any(1 < a < bs for a in acc)
+    assert seen_full and seen_partial
+
+
+def test_max_tokens_and_eos_edges(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = PROMPTS[0]
+    ref = mlx_tokens(model, tok, prompt, 60)
+    draft = draft_for(folder, mask_token_id=runs(ref)[0], echo=True)
+    for n in (1, 2, 3, 7, 16, 17, 33):
+        out, rs = dflash_tokens(model, draft, tok, prompt, block_size=16, max_tokens=n)
+        assert out == ref[:n] and rs[-1].finish_reason == "length"
+        assert rs[-1].generation_tokens == n
+    # Make tokens inside an accepted block, and a bonus token, stop tokens.
+    for stop in {ref[5], ref[20], ref[-1]}:
+        old = set(tok.eos_token_ids)
+        tok.eos_token_ids = old | {stop}
+        try:
+            want = mlx_tokens(model, tok, prompt, 60)
+            out, rs = dflash_tokens(model, draft, tok, prompt, block_size=16, max_tokens=60)
+        finally:
+            tok.eos_token_ids = old
+        assert out == want and out[-1] == stop
+        assert rs[-1].finish_reason == "stop"

@@ -1,0 +1,37 @@
+"""Reference decoding with mlx-lm alone, for comparisons."""
+
+from typing import List
+
+import mlx_lm
+
+from dflash_mlx import stream_generate
+
+
+def mlx_tokens(model, tokenizer, prompt, max_tokens: int, **kw) -> List[int]:
+    """Token ids of mlx-lm's own generation (a final EOS included)."""
+    return mlx_run(model, tokenizer, prompt, max_tokens, **kw)[0]
+
+
+def mlx_run(model, tokenizer, prompt, max_tokens: int, **kw):
+    """(token ids, streamed text) of mlx-lm's own generation."""
+    rs = list(mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kw))
+    return [r.token for r in rs], "".join(r.text for r in rs)
+
+
+def dflash_tokens(model, draft, tokenizer, prompt, **kw):
+    """(token ids, responses) of dflash_mlx's generation."""
+    out, responses = [], []
+    for r in stream_generate(model, draft, tokenizer, prompt, **kw):
+        out += r.tokens
+        responses.append(r)
+    return out, responses
+
+
+def runs(tokens: List[int], length: int = 3) -> List[int]:
+    """Tokens that repeat at least ``length`` times in a row."""
+    found, n = [], 1
+    for prev, t in zip(tokens, tokens[1:]):
+        n = n + 1 if t == prev else 1
+        if n == length and t not in found:
+            found.append(t)
+    return found

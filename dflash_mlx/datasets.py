@@ -69,6 +69,11 @@ HUB_SETS = {
 ALIASES = {"math-500": "math500", "mt_bench": "mt-bench", "mtbench": "mt-bench"}
 
 
+def is_hub(name: str) -> bool:
+    """Whether ``name`` names a paper dataset (rather than a file or demo)."""
+    return not Path(name).expanduser().is_file() and ALIASES.get(name.lower(), name.lower()) in HUB_SETS
+
+
 def load_samples(name: str, limit: Optional[int] = None) -> List[Sample]:
     """The samples of a dataset: a paper dataset name, ``demo``, or the path
     of a JSONL file; at most ``limit`` of them."""

@@ -1,0 +1,672 @@
+"""`python -m dflash_mlx.benchmark`: DFlash against plain mlx-lm decoding.
+
+For every prompt, after a short warm-up, plain ``mlx_lm.stream_generate`` and
+DFlash ``stream_generate`` (and, with ``--baseline-draft-model``, mlx-lm's own
+speculative decoding) run on the same token ids, the order rotating from one
+prompt to the next. At temperature 0 the outputs must be token-identical;
+any difference is a failure (exit code 3).
+
+Reported per prompt and in aggregate: decode tok/s (prefill excluded, from
+the first generated token to the last), end-to-end tok/s (prefill included),
+speedup, tau (mean tokens committed per DFlash round), the acceptance-length
+histogram, peak memory, and the mean round split into draft forward, verify
+forward, acceptance + rollback and the rest. The split comes from a profiled
+DFlash run (``profile=True`` synchronises after each phase): by default a
+separate run after the measured ones, so the measured speed is not slowed by
+the extra synchronisation. Draft and verify costs are also given in plain
+decode steps (1 step = 1 / plain decode tok/s), with the ideal speedup
+tau / (c_draft + c_verify) next to the measured one.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+DEMO = Path(__file__).parent / "demo"
+PHASES = ("draft", "verify", "accept", "other")
+MISMATCH_EXIT = 3
+
+
+class BenchmarkError(ValueError):
+    """Bad benchmark input."""
+
+
+@dataclass
+class Run:
+    """One timed generation.
+
+    Args:
+        tokens: Generated ids (a final EOS included, as mlx-lm reports it).
+        prompt_tokens: Prompt length.
+        prefill_s: Seconds from the call to the first generated token.
+        decode_s: Seconds from the first generated token to the last.
+        peak_memory: Peak MLX memory of the run, in GB.
+        finish_reason: "stop" or "length".
+        text: The generated text.
+        accepted: DFlash: tokens committed per round (bonus included).
+        phases: DFlash, profiled runs only: per round seconds of each phase.
+    """
+
+    tokens: List[int]
+    prompt_tokens: int
+    prefill_s: float
+    decode_s: float
+    peak_memory: float
+    finish_reason: Optional[str]
+    text: str = ""
+    accepted: List[int] = field(default_factory=list)
+    phases: List[Dict[str, float]] = field(default_factory=list)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens made by decoding (all but the prefill's first)."""
+        return max(len(self.tokens) - 1, 0)
+
+    @property
+    def decode_tps(self) -> Optional[float]:
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 else None
+
+    @property
+    def e2e_tps(self) -> float:
+        return len(self.tokens) / max(self.prefill_s + self.decode_s, 1e-9)
+
+    @property
+    def tau(self) -> Optional[float]:
+        return sum(self.accepted) / len(self.accepted) if self.accepted else None
+
+    def to_dict(self) -> dict:
+        d = dict(
+            generated_tokens=len(self.tokens),
+            prompt_tokens=self.prompt_tokens,
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            prompt_tps=self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else None,
+            decode_tps=self.decode_tps,
+            e2e_tps=self.e2e_tps,
+            peak_memory_gb=self.peak_memory,
+            finish_reason=self.finish_reason,
+        )
+        if self.accepted:
+            d.update(rounds=len(self.accepted), tau=self.tau)
+        return d
+
+
+@dataclass
+class Settings:
+    """What every run of one benchmark shares."""
+
+    max_tokens: int
+    temp: float
+    block_size: Optional[int]
+    seed: Optional[int]
+    num_draft_tokens: int
+    processors: Optional[list] = None
+    perturb: Optional[list] = None
+
+
+@dataclass
+class Models:
+    model: object
+    tokenizer: object
+    draft: object
+    baseline: object = None
+    demo: bool = False
+    paths: Dict[str, Optional[str]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- running
+
+
+def _drive(responses, ids_of: Callable) -> tuple:
+    """Consume a response stream; return (start, stamps, tokens, text, items,
+    last) where items[i] = (rounds, accepted, timing) of response i."""
+    tic = time.perf_counter()
+    stamps, tokens, text, items = [], [], [], []
+    last = None
+    for r in responses:
+        stamps.append(time.perf_counter())
+        tokens.extend(ids_of(r))
+        text.append(r.text)
+        items.append((getattr(r, "rounds", 0), getattr(r, "accepted", 0), getattr(r, "timing", None)))
+        last = r
+    return tic, stamps, tokens, "".join(text), items, last
+
+
+def _run(tic, stamps, tokens, text, last, n_prompt) -> Run:
+    return Run(
+        tokens=tokens,
+        prompt_tokens=n_prompt,
+        prefill_s=stamps[0] - tic,
+        decode_s=stamps[-1] - stamps[0],
+        peak_memory=last.peak_memory,
+        finish_reason=last.finish_reason,
+        text=text,
+    )
+
+
+def run_mlx(models: Models, ids: List[int], s: Settings, max_tokens=None, speculative=False) -> Run:
+    """Plain ``mlx_lm.stream_generate`` (or with ``speculative``, mlx-lm's
+    speculative decoding with the baseline draft model)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    if s.seed is not None:
+        mx.random.seed(s.seed)
+    extra = dict(draft_model=models.baseline, num_draft_tokens=s.num_draft_tokens) if speculative else {}
+    mx.reset_peak_memory()
+    gen = mlx_lm.stream_generate(
+        models.model, models.tokenizer, mx.array(ids),
+        max_tokens=max_tokens or s.max_tokens,
+        sampler=make_sampler(temp=s.temp),
+        logits_processors=s.processors,
+        **extra,
+    )
+    tic, stamps, tokens, text, _, last = _drive(gen, lambda r: [r.token])
+    return _run(tic, stamps, tokens, text, last, len(ids))
+
+
+def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False) -> Run:
+    """DFlash ``stream_generate``; with ``profile`` also the per-round phases."""
+    import mlx.core as mx
+
+    from .decoding import stream_generate
+
+    procs = (s.processors or []) + (s.perturb or []) or None
+    mx.reset_peak_memory()
+    gen = stream_generate(
+        models.model, models.draft, models.tokenizer, ids,
+        block_size=s.block_size, max_tokens=max_tokens or s.max_tokens,
+        temperature=s.temp, seed=s.seed, logits_processors=procs, profile=profile,
+    )
+    tic, stamps, tokens, text, items, last = _drive(gen, lambda r: r.tokens)
+    run = _run(tic, stamps, tokens, text, last, len(ids))
+    for i, (rounds, acc, timing) in enumerate(items):
+        if not rounds:  # the prefill's first token is not a round
+            continue
+        run.accepted.append(acc)
+        if timing:
+            split = {k: timing.get(k, 0.0) for k in PHASES[:3]}
+            split["other"] = max(stamps[i] - stamps[i - 1] - sum(split.values()), 0.0)
+            run.phases.append(split)
+    return run
+
+
+def first_difference(a: List[int], b: List[int]) -> Optional[int]:
+    """Index of the first differing token (length included), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+# -------------------------------------------------------------- statistics
+
+
+def histogram(accepted: List[int], size: int) -> List[int]:
+    """Counts of acceptance lengths 1..size (index 0 is length 1)."""
+    h = [0] * max(size, max(accepted, default=1))
+    for a in accepted:
+        h[a - 1] += 1
+    return h
+
+
+def round_split(phases: List[Dict[str, float]]) -> Optional[Dict[str, float]]:
+    """Mean seconds per round of each phase, and of the whole round."""
+    if not phases:
+        return None
+    m = {k: sum(p[k] for p in phases) / len(phases) for k in PHASES}
+    m["round"] = sum(m.values())
+    return m
+
+
+def cost_model(tau, split, step) -> dict:
+    """Phase costs in plain decode steps and the ideal speedup
+    tau / (c_draft + c_verify)."""
+    if not split or not step or not tau:
+        return {"costs": None, "ideal_speedup": None}
+    costs = {k: split[k] / step for k in PHASES}
+    denom = costs["draft"] + costs["verify"]
+    return {"costs": costs, "ideal_speedup": tau / denom if denom > 0 else None}
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def prompt_result(pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool) -> dict:
+    """The JSON record of one prompt."""
+    plain, fl = runs["plain"], runs["dflash"]
+    diff = first_difference(plain.tokens, fl.tokens)
+    split = round_split(prof.phases) if prof else None
+    step = 1 / plain.decode_tps if plain.decode_tps else None
+    r = dict(
+        id=pid,
+        prompt_tokens=plain.prompt_tokens,
+        identical=diff is None,
+        checked=exact,
+        first_difference=diff,
+        speedup=_ratio(fl.decode_tps, plain.decode_tps),
+        e2e_speedup=_ratio(fl.e2e_tps, plain.e2e_tps),
+        tau=fl.tau,
+        acceptance_histogram=histogram(fl.accepted, block),
+        round_time_s=split,
+        plain_step_s=step,
+        **cost_model(fl.tau, split, step),
+        runs={k: v.to_dict() for k, v in runs.items()},
+        output=plain.text,
+    )
+    if "baseline" in runs:
+        b = runs["baseline"]
+        bdiff = first_difference(plain.tokens, b.tokens)
+        r.update(
+            baseline_speedup=_ratio(b.decode_tps, plain.decode_tps),
+            baseline_identical=bdiff is None,
+        )
+    if diff is not None:
+        r["tokens"] = {"plain": plain.tokens, "dflash": fl.tokens}
+    return r
+
+
+def _pool(runs: List[Run]) -> dict:
+    dec_t = sum(r.decode_tokens for r in runs)
+    dec_s = sum(r.decode_s for r in runs if r.decode_tokens)
+    tot_t = sum(len(r.tokens) for r in runs)
+    tot_s = sum(r.prefill_s + r.decode_s for r in runs)
+    d = dict(
+        generated_tokens=tot_t,
+        decode_tps=dec_t / dec_s if dec_s > 0 else None,
+        e2e_tps=tot_t / tot_s if tot_s > 0 else None,
+        peak_memory_gb=max(r.peak_memory for r in runs),
+    )
+    acc = [a for r in runs for a in r.accepted]
+    if acc:
+        d.update(rounds=len(acc), tau=sum(acc) / len(acc))
+    return d
+
+
+def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: List[Run], block: int) -> dict:
+    """Aggregate over prompts: pooled speeds (total tokens / total time)."""
+    methods = {k: _pool([r[k] for r in runs]) for k in runs[0]}
+    plain, fl = methods["plain"], methods["dflash"]
+    acc = [a for r in runs for a in r["dflash"].accepted]
+    split = round_split([p for r in profs for p in r.phases])
+    step = 1 / plain["decode_tps"] if plain["decode_tps"] else None
+    speedups = [r["speedup"] for r in records if r["speedup"]]
+    s = dict(
+        prompts=len(records),
+        identical=sum(r["identical"] for r in records),
+        speedup=_ratio(fl["decode_tps"], plain["decode_tps"]),
+        e2e_speedup=_ratio(fl["e2e_tps"], plain["e2e_tps"]),
+        mean_prompt_speedup=sum(speedups) / len(speedups) if speedups else None,
+        tau=fl.get("tau"),
+        acceptance_histogram=histogram(acc, block),
+        round_time_s=split,
+        plain_step_s=step,
+        **cost_model(fl.get("tau"), split, step),
+        methods=methods,
+    )
+    if "baseline" in methods:
+        s["baseline_speedup"] = _ratio(methods["baseline"]["decode_tps"], plain["decode_tps"])
+    return s
+
+
+# ----------------------------------------------------------------- output
+
+
+class Progress:
+    """One live status line on stderr (a line per prompt when not a tty)."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.out = total, stream or sys.stderr
+        self.tty = self.out.isatty()
+        self.t0 = time.perf_counter()
+
+    def show(self, done: int, msg: str) -> None:
+        width = 20
+        fill = int(width * done / max(self.total, 1))
+        line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} {msg} ({time.perf_counter() - self.t0:.0f}s)"
+        if self.tty:
+            self.out.write("\r\033[K" + line)
+            self.out.flush()
+
+    def log(self, msg: str) -> None:
+        if self.tty:
+            self.out.write("\r\033[K")
+        self.out.write(msg + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\r\033[K")
+            self.out.flush()
+
+
+def _f(x, fmt="{:.1f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def format_summary(result: dict) -> str:
+    """The terminal summary table."""
+    c, s = result["config"], result["summary"]
+    names = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
+    lines = [
+        f"{s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
+        f"temp {c['temp']}, block {c['block_size']}",
+        f"{'method':<12}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
+    ]
+    plain = s["methods"]["plain"]
+    for k, m in s["methods"].items():
+        sp = _ratio(m["decode_tps"], plain["decode_tps"])
+        lines.append(
+            f"{names[k]:<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
+            f"{_f(sp, '{:.2f}x'):>9}{_f(m.get('tau'), '{:.2f}'):>7}{_f(m['peak_memory_gb'], '{:.3f}'):>9}"
+        )
+    check = "required" if c["temp"] == 0 else "not required at temp > 0"
+    lines.append(f"identical outputs: {s['identical']}/{s['prompts']} ({check})")
+    if s["round_time_s"]:
+        rt, co = s["round_time_s"], s["costs"]
+        parts = [f"{k} {rt[k] * 1e3:.2f} ms ({co[k]:.2f} steps)" for k in PHASES]
+        lines.append(f"round ({c['profile']} profiled run), {rt['round'] * 1e3:.2f} ms: " + ", ".join(parts))
+        lines.append(
+            f"ideal speedup tau/(c_draft+c_verify) = {_f(s['ideal_speedup'], '{:.2f}x')}, "
+            f"measured {_f(s['speedup'], '{:.2f}x')}"
+        )
+    h = s["acceptance_histogram"]
+    total = sum(h) or 1
+    lines.append("acceptance lengths: " + " ".join(f"{i + 1}:{100 * n / total:.0f}%" for i, n in enumerate(h) if n))
+    return "\n".join(lines)
+
+
+def write_chart(result: dict, path: Path) -> Optional[str]:
+    """Save the PNG chart (acceptance histogram, per-prompt speedup); return
+    a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'dflash-mlx[bench]'); no chart written"
+    s, recs = result["summary"], result["prompts"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    h = s["acceptance_histogram"]
+    total = sum(h) or 1
+    a.bar(range(1, len(h) + 1), [100 * n / total for n in h], color="tab:blue")
+    if s["tau"]:
+        a.axvline(s["tau"], color="tab:red", ls="--", label=f"tau = {s['tau']:.2f}")
+        a.legend()
+    a.set(xlabel="tokens committed per round", ylabel="% of rounds", title="DFlash acceptance length")
+    x = list(range(len(recs)))
+    b.bar([i - 0.2 for i in x], [r["speedup"] or 0 for r in recs], 0.4, label="dflash", color="tab:green")
+    if "baseline_speedup" in s:
+        b.bar([i + 0.2 for i in x], [r.get("baseline_speedup") or 0 for r in recs], 0.4,
+              label="mlx-lm speculative", color="tab:orange")
+    b.axhline(1.0, color="gray", lw=1)
+    b.set_xticks(x, [r["id"] for r in recs], rotation=60, ha="right", fontsize=7)
+    b.set(ylabel="decode speedup over mlx-lm", title=f"Per-prompt speedup (overall {_f(s['speedup'], '{:.2f}x')})")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+# -------------------------------------------------------------- the driver
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_mlx.benchmark",
+        description="Benchmark DFlash speculative decoding against plain mlx-lm decoding.",
+        epilog="Exit codes: 0 ok, 1 bad input, 3 outputs differ at temperature 0.",
+    )
+    p.add_argument("--model", help="Target model folder or hub id (default: the embedded demo target).")
+    p.add_argument("--draft", help="DFlash draft folder or hub id (default: the demo draft, or the published draft for --model).")
+    p.add_argument("--dataset", default="demo",
+                   help="gsm8k, math500, humaneval, mbpp, mt-bench (from the hub), a JSONL file of prompts, or demo (default).")
+    p.add_argument("--max-samples", type=int, default=None,
+                   help="Prompts to run (default: all of a file, 20 of a hub dataset).")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy, outputs checked).")
+    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's).")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
+    p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
+    p.add_argument("--baseline-draft-model", default=None,
+                   help="A small autoregressive draft for mlx-lm's speculative decoding, as a third column.")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="Draft tokens per step of the mlx-lm baseline.")
+    p.add_argument("--no-chat-template", action="store_true", help="Use prompts as raw text.")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="Applied to every method.")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="Tokens of each per-prompt warm-up run (0: none).")
+    p.add_argument("--profile", choices=["separate", "inline", "off"], default="separate",
+                   help="Round split from a separate profiled DFlash run (default), from the measured run, or not at all.")
+    p.add_argument("--perturb-dflash", type=float, default=None, metavar="PENALTY",
+                   help="Self-test of the identity check: give the DFlash side alone a repetition "
+                        "penalty PENALTY; its output then legitimately differs and the run must fail.")
+    return p
+
+
+def _check(args) -> None:
+    for name in ("max_tokens", "max_samples", "block_size", "num_draft_tokens"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise BenchmarkError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
+    if args.temp < 0:
+        raise BenchmarkError(f"--temp must be >= 0, got {args.temp}.")
+    if args.warmup_tokens < 0:
+        raise BenchmarkError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
+    for name in ("repetition_penalty", "perturb_dflash"):
+        v = getattr(args, name)
+        if v is not None and v <= 0:
+            raise BenchmarkError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
+
+
+def load_models(args) -> Models:
+    """Load the target, the DFlash draft and the optional baseline draft."""
+    from .generate import known_draft
+    from .loading import check_compatible, load, load_draft
+
+    demo = args.model is None
+    if demo:
+        if not (DEMO / "target" / "config.json").exists():
+            raise BenchmarkError(
+                f"No --model given and the embedded demo pair is not installed ({DEMO / 'target'}); "
+                "pass --model and --draft."
+            )
+        model_path, draft_path = str(DEMO / "target"), args.draft or str(DEMO / "draft")
+    else:
+        model_path, draft_path = args.model, args.draft or known_draft(args.model)
+        if draft_path is None:
+            raise BenchmarkError(f"No --draft given and no published DFlash draft is known for '{args.model}'.")
+    model, tokenizer = load(model_path)
+    draft = load_draft(draft_path)
+    check_compatible(draft, model)
+    baseline = load(args.baseline_draft_model)[0] if args.baseline_draft_model else None
+    paths = dict(model=model_path, draft=draft_path, baseline_draft_model=args.baseline_draft_model)
+    return Models(model, tokenizer, draft, baseline, demo, paths)
+
+
+def render(tokenizer, messages: List[dict], template: bool) -> str:
+    """A chat as prompt text: the chat template (thinking off) or, without
+    one, the contents joined by blank lines."""
+    if template:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
+    return "\n\n".join(m["content"] for m in messages)
+
+
+def encode(tokenizer, text: str) -> List[int]:
+    """Token ids the way both mlx-lm and DFlash encode a text prompt."""
+    bos = tokenizer.bos_token
+    ids = tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+    if not ids:
+        raise BenchmarkError("A prompt encodes to no tokens.")
+    return ids
+
+
+class Bench:
+    """Runs the methods on prompts and collects records."""
+
+    def __init__(self, models: Models, s: Settings, profile: str, warmup: int, block: int):
+        self.m, self.s, self.profile, self.warmup, self.block = models, s, profile, warmup, block
+        self.methods = {
+            "plain": lambda ids, n=None: run_mlx(self.m, ids, self.s, n),
+            "dflash": lambda ids, n=None: run_dflash(self.m, ids, self.s, n, profile=profile == "inline"),
+        }
+        if models.baseline is not None:
+            self.methods["baseline"] = lambda ids, n=None: run_mlx(self.m, ids, self.s, n, speculative=True)
+        self.records, self.runs, self.profs = [], [], []
+
+    def prompt(self, pid: str, ids: List[int], index: int, show: Callable[[str], None]) -> dict:
+        """Warm up, run every method (order rotated by ``index``), profile."""
+        if self.warmup:
+            show(f"{pid}: warm-up")
+            for f in self.methods.values():
+                f(ids, min(self.warmup, self.s.max_tokens))
+        names = list(self.methods)
+        k = index % len(names)
+        runs = {}
+        for name in names[k:] + names[:k]:
+            show(f"{pid}: {name}")
+            runs[name] = self.methods[name](ids)
+        prof = runs["dflash"] if self.profile == "inline" else None
+        if self.profile == "separate":
+            show(f"{pid}: profiled dflash")
+            prof = run_dflash(self.m, ids, self.s, profile=True)
+        rec = prompt_result(pid, runs, prof, self.block, self.s.temp == 0)
+        self.records.append(rec)
+        self.runs.append(runs)
+        if prof:
+            self.profs.append(prof)
+        return rec
+
+
+def _settings(args) -> Settings:
+    from mlx_lm.sample_utils import make_logits_processors
+
+    procs = make_logits_processors(repetition_penalty=args.repetition_penalty) if args.repetition_penalty else None
+    perturb = make_logits_processors(repetition_penalty=args.perturb_dflash) if args.perturb_dflash else None
+    return Settings(args.max_tokens, args.temp, args.block_size, args.seed, args.num_draft_tokens, procs, perturb)
+
+
+def _config(args, models: Models, block: int, template: bool) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    from . import __version__
+
+    return dict(
+        **models.paths,
+        dataset=args.dataset,
+        max_samples=args.max_samples,
+        max_tokens=args.max_tokens,
+        temp=args.temp,
+        block_size=block,
+        seed=args.seed,
+        num_draft_tokens=args.num_draft_tokens if models.baseline is not None else None,
+        chat_template=template,
+        repetition_penalty=args.repetition_penalty,
+        perturb_dflash=args.perturb_dflash,
+        warmup_tokens=args.warmup_tokens,
+        profile=args.profile,
+        timing="decode: first generated token to last (prefill excluded); e2e: call to last token",
+        versions=dict(dflash_mlx=__version__, mlx=mx.__version__, mlx_lm=mlx_lm.__version__, python=platform.python_version()),
+        device=str(mx.default_device()),
+        platform=platform.platform(),
+        blas_preloaded="openblas" in os.environ.get("LD_PRELOAD", ""),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def benchmark(args, progress: Optional[Progress] = None) -> dict:
+    """Run the benchmark described by parsed ``args``; return the results."""
+    from .datasets import is_hub, load_samples
+
+    _check(args)
+    samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
+    models = load_models(args)
+    block = args.block_size or models.draft.block_size
+    template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
+    bench = Bench(models, _settings(args), args.profile, args.warmup_tokens, block)
+    total = sum(len(x.turns) or 1 for x in samples)
+    progress = progress or Progress(total)
+    done = 0
+    for smp in samples:
+        chat = list(smp.messages or [])
+        for t, turn in enumerate(smp.turns or [None]):
+            if turn is not None:
+                chat.append({"role": "user", "content": turn})
+            pid = smp.id if len(smp.turns) < 2 else f"{smp.id}#{t + 1}"
+            ids = encode(models.tokenizer, render(models.tokenizer, chat, template))
+            rec = bench.prompt(pid, ids, done, lambda msg: progress.show(done, msg))
+            done += 1
+            progress.show(done, f"{pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}")
+            if rec["checked"] and not rec["identical"]:
+                progress.log(f"MISMATCH {pid}: outputs differ from token {rec['first_difference']}")
+            chat.append({"role": "assistant", "content": rec["output"]})
+    progress.close()
+    failures = [r["id"] for r in bench.records if r["checked"] and not r["identical"]]
+    return dict(
+        config=_config(args, models, block, template),
+        summary=summarize(bench.records, bench.runs, bench.profs, block),
+        prompts=bench.records,
+        failures=failures,
+        ok=not failures,
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """The command line; returns the exit code."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from .errors import DFlashError
+
+    try:
+        result = benchmark(args)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        chart = Path(args.chart) if args.chart else out.with_suffix(".png")
+        note = write_chart(result, chart)
+        print(format_summary(result))
+        print(f"results: {out}" + (f", chart: {chart}" if note is None else f" ({note})"))
+        if not result["ok"]:
+            print(f"error: outputs differ from plain decoding on {len(result['failures'])} prompt(s): "
+                  + ", ".join(result["failures"]), file=sys.stderr)
+            return MISMATCH_EXIT
+        return 0
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+    except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
+        if os.environ.get("DFLASH_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _preload_blas(module: str, argv: List[str]) -> None:
+    """On Linux, re-run once with the system OpenBLAS preloaded (MLX-CPU's
+    bundled BLAS is ~30x slower); skipped when absent or already done."""
+    if sys.platform != "linux" or os.environ.get("DFLASH_NO_REEXEC"):
+        return
+    libs = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0")
+    lib = next((x for x in libs if os.path.exists(x)), None)
+    if lib is None or lib in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ, DFLASH_NO_REEXEC="1")
+    env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
+    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
+if __name__ == "__main__":
+    _preload_blas("dflash_mlx.benchmark", sys.argv[1:])
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""The benchmark on tiny real models: JSON fields, identity check, failures."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import make_draft, make_target  # noqa: E402
+
+from dflash_mlx import benchmark as bm  # noqa: E402
+from dflash_mlx.datasets import DatasetError, pick_file, read_jsonl  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    {"prompt": "def add(a, b):\n    return"},
+    {"turns": ["import os\n", "class Config:"]},
+    {"messages": [{"role": "user", "content": "for i in range(10):"}]},
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    target = make_target(d / "target", "qwen3")
+    draft = make_draft(d / "draft", target)
+    small = make_target(d / "small", "qwen3", seed=7, layers=2)
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return d, target, draft, small, prompts
+
+
+def _args(pair, out, *extra):
+    d, target, draft, _, prompts = pair
+    return [
+        "--model", str(target), "--draft", str(draft), "--dataset", str(prompts),
+        "--max-tokens", "24", "--warmup-tokens", "4", "--out", str(out), *extra,
+    ]
+
+
+def _cli(argv, **env):
+    blas = "/usr/lib/x86_64-linux-gnu/libopenblas.so.0"
+    e = dict(os.environ, **env)
+    if os.path.exists(blas):
+        e["LD_PRELOAD"] = blas
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.benchmark", *argv],
+        cwd=ROOT, env=e, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_json_has_every_field_and_outputs_match(pair, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = bm.main(_args(pair, out, "--baseline-draft-model", str(pair[3])))
+    printed = capsys.readouterr().out
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert res["ok"] and res["failures"] == []
+    for k in ("model", "draft", "dataset", "max_tokens", "temp", "block_size", "seed",
+              "profile", "versions", "chat_template", "baseline_draft_model"):
+        assert k in res["config"]
+    s = res["summary"]
+    assert s["prompts"] == 4 and s["identical"] == 4  # the 2-turn sample counts twice
+    for k in ("speedup", "e2e_speedup", "tau", "acceptance_histogram", "round_time_s",
+              "costs", "ideal_speedup", "plain_step_s", "baseline_speedup", "methods"):
+        assert s[k] is not None, k
+    assert set(s["methods"]) == {"plain", "dflash", "baseline"}
+    assert set(s["round_time_s"]) == {"draft", "verify", "accept", "other", "round"}
+    assert s["ideal_speedup"] == pytest.approx(
+        s["tau"] / (s["costs"]["draft"] + s["costs"]["verify"])
+    )
+    assert len(s["acceptance_histogram"]) == res["config"]["block_size"] == 16
+    assert sum(s["acceptance_histogram"]) == s["methods"]["dflash"]["rounds"]
+    for m in s["methods"].values():
+        assert m["decode_tps"] > 0 and m["e2e_tps"] > 0 and m["peak_memory_gb"] > 0
+    ids = [r["id"] for r in res["prompts"]]
+    assert ids == ["prompts:1", "prompts:2#1", "prompts:2#2", "prompts:3"]
+    for r in res["prompts"]:
+        assert r["identical"] and r["checked"] and r["first_difference"] is None
+        assert r["baseline_identical"]
+        assert r["tau"] >= 1 and r["speedup"] > 0 and r["ideal_speedup"] > 0
+        d = r["runs"]["dflash"]
+        assert d["rounds"] == sum(r["acceptance_histogram"])
+        # committed tokens = rounds' tokens + the prefill's first (up to truncation)
+        assert d["generated_tokens"] <= 1 + sum((i + 1) * n for i, n in enumerate(r["acceptance_histogram"]))
+        for k in ("decode_tps", "e2e_tps", "prompt_tps", "peak_memory_gb", "generated_tokens", "finish_reason"):
+            assert k in r["runs"]["plain"] and k in d
+    assert "identical outputs: 4/4" in printed
+    try:
+        import matplotlib  # noqa: F401
+
+        assert out.with_suffix(".png").stat().st_size > 1000
+    except ImportError:
+        assert "no chart written" in printed
+
+
+def test_inline_profile_and_block_size(pair, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = bm.main(_args(pair, out, "--profile", "inline", "--block-size", "4",
+                         "--max-samples", "1", "--no-chat-template", "--chart", str(tmp_path / "c.png")))
+    capsys.readouterr()
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["chat_template"] is False and res["config"]["block_size"] == 4
+    assert len(res["prompts"]) == 1 and len(res["summary"]["acceptance_histogram"]) == 4
+    assert res["summary"]["round_time_s"]["verify"] > 0
+
+
+def test_differing_outputs_fail(pair, tmp_path):
+    """--perturb-dflash gives the DFlash side alone a real repetition penalty:
+    its tokens then differ from plain decoding, and the run must fail."""
+    out = tmp_path / "r.json"
+    p = _cli(_args(pair, out, "--perturb-dflash", "50", "--profile", "off", "--warmup-tokens", "0"))
+    assert p.returncode == bm.MISMATCH_EXIT, p.stderr
+    assert "outputs differ" in p.stderr and "Traceback" not in p.stderr
+    res = json.loads(out.read_text())
+    assert not res["ok"] and res["failures"]
+    bad = [r for r in res["prompts"] if not r["identical"]]
+    assert bad and all(r["tokens"]["plain"] != r["tokens"]["dflash"] for r in bad)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--dataset", "no-such-set"], "Unknown dataset"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--draft", "/nonexistent/draft"], "/nonexistent/draft"),
+    ],
+)
+def test_bad_input_is_one_line(pair, tmp_path, capsys, extra, message):
+    code = bm.main(_args(pair, tmp_path / "r.json") + extra)
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_bad_jsonl(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "ok"}\n{"text": "no"}\n')
+    with pytest.raises(DatasetError, match="line 2"):
+        read_jsonl(f)
+    f.write_text("not json\n")
+    with pytest.raises(DatasetError, match="not JSON"):
+        read_jsonl(f)
+
+
+def test_offline_hub_dataset_is_one_clear_line(pair, tmp_path):
+    p = _cli(_args(pair, tmp_path / "r.json") + ["--dataset", "gsm8k"], HF_HUB_OFFLINE="1")
+    assert p.returncode == 1
+    err = p.stderr.strip()
+    assert err.startswith("error: Could not fetch gsm8k") and "\n" not in err
+
+
+def test_pick_file():
+    files = ["README.md", "main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet",
+             "socratic/test-00000-of-00001.parquet"]
+    assert pick_file(files, "main", "test") == "main/test-00000-of-00001.parquet"
+    assert pick_file(["test.jsonl", "data/test-0.parquet"], None, "test") == "test.jsonl"
+    assert pick_file(["train.jsonl"], None, "test") is None
+
+
+def test_statistics():
+    assert bm.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bm.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bm.first_difference([1, 2], [1, 2, 3]) == 2
+    assert bm.histogram([1, 3, 3, 16], 16)[:3] == [1, 0, 2]
+    c = bm.cost_model(4.0, {"draft": 1.0, "verify": 3.0, "accept": 0.5, "other": 0.5}, 2.0)
+    assert c["costs"]["verify"] == 1.5 and c["ideal_speedup"] == 2.0

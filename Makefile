@@ -39,3 +39,10 @@ _demo:
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# `make bench BENCH_ARGS="--max-samples 4"` passes extra flags.
+bench: install
+	$(MAKE) --no-print-directory _bench
+
+_bench:
+	$(RUN) -m dflash_mlx.benchmark --out bench_out/results.json $(BENCH_ARGS)

@@ -1,0 +1,92 @@
+"""At temperature > 0 the output follows the target's own sampling law."""
+
+import itertools
+from collections import Counter
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_top_k, make_logits_processors
+
+from dflash_mlx import stream_generate
+from dflash_mlx.sampling import accepted, make_sampler
+from util import dflash_tokens, mlx_tokens, runs
+
+TEMP, TOP_K, N = 1.0, 3, 3
+
+
+def target_law(model, prompt, n=N):
+    """Exact probability of every n-token continuation under top-k sampling."""
+
+    def step(ids):
+        logits = model(mx.array(ids)[None])[0, -1:]
+        lp = apply_top_k(logits - mx.logsumexp(logits, keepdims=True), TOP_K)
+        return np.array(mx.softmax(lp / TEMP, axis=-1))[0]
+
+    law = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for seq, p in law.items():
+            probs = step(prompt + list(seq))
+            for t in np.nonzero(probs > 0)[0]:
+                nxt[seq + (int(t),)] = p * probs[t]
+        law = nxt
+    return law
+
+
+def tv(law, counts, total):
+    keys = set(law) | set(counts)
+    return 0.5 * sum(abs(law.get(k, 0.0) - counts.get(k, 0) / total) for k in keys)
+
+
+def test_sampled_output_matches_target_distribution(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = tok.encode("import os\n")
+    law = target_law(model, prompt)
+    guess = max(law, key=law.get)[1]
+    draft = draft_for(folder, mask_token_id=guess, echo=True)
+    counts, acc, draws = Counter(), [], 1200
+    for seed in range(draws):
+        out, rs = dflash_tokens(
+            model, draft, tok, prompt, block_size=4, max_tokens=N,
+            temperature=TEMP, top_k=TOP_K, seed=seed,
+        )
+        counts[tuple(out)] += 1
+        acc += [r.accepted for r in rs[1:]]
+    assert max(acc) > 1, "the draft was never accepted: the test would not test acceptance"
+    assert tv(law, counts, draws) < 0.08
+
+
+def test_seed_is_reproducible_and_private(loaded, draft_for):
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    state = np.array(mx.random.state[0])
+    kw = dict(block_size=4, max_tokens=20, temperature=0.9, top_p=0.95, seed=11)
+    a, _ = dflash_tokens(model, draft, tok, "import os\n", **kw)
+    b, _ = dflash_tokens(model, draft, tok, "import os\n", **kw)
+    c, _ = dflash_tokens(model, draft, tok, "import os\n", **{**kw, "seed": 12})
+    assert a == b and a != c
+    assert (np.array(mx.random.state[0]) == state).all()
+
+
+def test_logits_processors_match_mlx_lm(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = "def foo(x):\n    return"
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=8)
+    ref = mlx_tokens(model, tok, prompt, 40, logits_processors=procs)
+    assert ref != mlx_tokens(model, tok, prompt, 40)
+    for t in runs(ref)[:1] or [ref[0]]:
+        draft = draft_for(folder, mask_token_id=t, echo=True)
+        for bs in (1, 4, 16):
+            out, _ = dflash_tokens(model, draft, tok, prompt, block_size=bs, max_tokens=40, logits_processors=procs)
+            assert out == ref
+
+
+def test_acceptance_rule():
+    d = mx.array([5, 6, 7])
+    assert accepted(d, mx.array([5, 6, 7, 9])).item() == 3
+    assert accepted(d, mx.array([5, 1, 7, 9])).item() == 1
+    assert accepted(d, mx.array([0, 6, 7, 9])).item() == 0
+    greedy = make_sampler(0.0)
+    assert greedy(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
+    s = make_sampler(1.0, top_k=1, seed=0)
+    assert all(s(mx.array([[0.1, 2.0, 0.3]])).item() == 1 for _ in range(20))

@@ -1,0 +1,68 @@
+"""`python -m dflash_mlx.generate` end to end, in a subprocess."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash_mlx.generate import known_draft
+from tiny import make_draft
+from util import mlx_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli(*args, stdin=None):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.generate", *args],
+        input=stdin, capture_output=True, text=True, env=env, timeout=300,
+    )
+
+
+def test_cli_streams_the_targets_greedy_text(loaded, tmp_path):
+    model, tok, folder = loaded("qwen3_5")
+    draft = make_draft(tmp_path / "d", folder)
+    prompt = "Write a loop"
+    templated = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    _, want = mlx_run(model, tok, templated, 25)
+    r = cli("--model", str(folder), "--draft", str(draft), "--prompt", prompt, "--max-tokens", "25")
+    assert r.returncode == 0, r.stderr
+    text, _, stats = r.stdout.rpartition("\n==========\n")
+    assert text == want
+    for line in ("Prompt: ", "Generation: 25 tokens", "Mean acceptance length: ", "Peak memory: "):
+        assert line in stats
+
+    raw = "import os\n"
+    _, want = mlx_run(model, tok, raw, 10)
+    r = cli("--model", str(folder), "--draft", str(draft), "--prompt", "-", "--no-chat-template", "--max-tokens", "10", "--quiet", stdin=raw)
+    assert r.returncode == 0 and r.stdout == want + "\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model", "--draft", "/nonexistent/draft"], "neither a local folder"),
+        (["--block-size", "0"], "block_size"),
+        (["--max-tokens", "-3"], "max_tokens"),
+        (["--temp", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--draft", "/nonexistent/draft"], "neither a local folder"),
+    ],
+)
+def test_cli_errors_are_one_line(args, message, target_folder, tmp_path):
+    folder = target_folder("qwen3")
+    base = ["--model", str(folder), "--draft", str(make_draft(tmp_path / "d", folder)), "--prompt", "hi"]
+    r = cli(*base, *args)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def test_known_drafts():
+    assert known_draft("Qwen/Qwen3-8B") == "z-lab/Qwen3-8B-DFlash-b16"
+    assert known_draft("mlx-community/Qwen3-8B-4bit") == "z-lab/Qwen3-8B-DFlash-b16"
+    assert known_draft("mlx-community/Qwen3.5-35B-A3B-4bit") == "z-lab/Qwen3.5-35B-A3B-DFlash"
+    assert known_draft("meta-llama/Llama-3.1-8B-Instruct") == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+    assert known_draft("Qwen/Qwen2.5-7B") is None

@@ -403,16 +403,24 @@ def write_chart(result: dict, path: Path) -> Optional[str]:
     if s["tau"]:
         a.axvline(s["tau"], color="tab:red", ls="--", label=f"tau = {s['tau']:.2f}")
         a.legend()
+    a.set_xticks(range(1, len(h) + 1))
     a.set(xlabel="tokens committed per round", ylabel="% of rounds", title="DFlash acceptance length")
     x = list(range(len(recs)))
-    b.bar([i - 0.2 for i in x], [r["speedup"] or 0 for r in recs], 0.4, label="dflash", color="tab:green")
-    if "baseline_speedup" in s:
+    two = "baseline_speedup" in s
+    off = 0.2 if two else 0.0
+    b.bar([i - off for i in x], [r["speedup"] or 0 for r in recs], 0.4 if two else 0.6, label="dflash", color="tab:green")
+    if two:
         b.bar([i + 0.2 for i in x], [r.get("baseline_speedup") or 0 for r in recs], 0.4,
               label="mlx-lm speculative", color="tab:orange")
     b.axhline(1.0, color="gray", lw=1)
     b.set_xticks(x, [r["id"] for r in recs], rotation=60, ha="right", fontsize=7)
     b.set(ylabel="decode speedup over mlx-lm", title=f"Per-prompt speedup (overall {_f(s['speedup'], '{:.2f}x')})")
     b.legend()
+    c = result["config"]
+    fig.suptitle(
+        f"{Path(c['model']).name} + {Path(c['draft']).name} | {Path(c['dataset']).name}, "
+        f"temp {c['temp']}, block {c['block_size']}, max {c['max_tokens']} tokens", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -469,28 +477,33 @@ def _check(args) -> None:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
 
 
-def load_models(args) -> Models:
-    """Load the target, the DFlash draft and the optional baseline draft."""
+def resolve(args) -> Dict[str, Optional[str]]:
+    """Model, draft and baseline paths; the demo pair when no --model."""
     from .generate import known_draft
-    from .loading import check_compatible, load, load_draft
 
-    demo = args.model is None
-    if demo:
+    if args.model is None:
         if not (DEMO / "target" / "config.json").exists():
             raise BenchmarkError(
                 f"No --model given and the embedded demo pair is not installed ({DEMO / 'target'}); "
                 "pass --model and --draft."
             )
-        model_path, draft_path = str(DEMO / "target"), args.draft or str(DEMO / "draft")
+        model, draft = str(DEMO / "target"), args.draft or str(DEMO / "draft")
     else:
-        model_path, draft_path = args.model, args.draft or known_draft(args.model)
-        if draft_path is None:
+        model, draft = args.model, args.draft or known_draft(args.model)
+        if draft is None:
             raise BenchmarkError(f"No --draft given and no published DFlash draft is known for '{args.model}'.")
-    model, tokenizer = load(model_path)
-    draft = load_draft(draft_path)
+    return dict(model=model, draft=draft, baseline_draft_model=args.baseline_draft_model)
+
+
+def load_models(paths: Dict[str, Optional[str]], demo: bool) -> Models:
+    """Load the target, the DFlash draft and the optional baseline draft."""
+    from .loading import check_compatible, load, load_draft
+
+    model, tokenizer = load(paths["model"])
+    draft = load_draft(paths["draft"])
     check_compatible(draft, model)
-    baseline = load(args.baseline_draft_model)[0] if args.baseline_draft_model else None
-    paths = dict(model=model_path, draft=draft_path, baseline_draft_model=args.baseline_draft_model)
+    base = paths["baseline_draft_model"]
+    baseline = load(base)[0] if base else None
     return Models(model, tokenizer, draft, baseline, demo, paths)
 
 
@@ -592,8 +605,9 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     from .datasets import is_hub, load_samples
 
     _check(args)
+    paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
-    models = load_models(args)
+    models = load_models(paths, args.model is None)
     block = args.block_size or models.draft.block_size
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
     bench = Bench(models, _settings(args), args.profile, args.warmup_tokens, block)

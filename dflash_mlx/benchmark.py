@@ -113,6 +113,8 @@ class Settings:
 
 @dataclass
 class Models:
+    """The loaded target, tokenizer, DFlash draft and optional baseline draft."""
+
     model: object
     tokenizer: object
     draft: object
@@ -124,31 +126,27 @@ class Models:
 # ---------------------------------------------------------------- running
 
 
-def _drive(responses, ids_of: Callable) -> tuple:
-    """Consume a response stream; return (start, stamps, tokens, text, items,
-    last) where items[i] = (rounds, accepted, timing) of response i."""
+def _drive(responses, ids_of: Callable, n_prompt: int) -> tuple:
+    """Consume a response stream into a Run; also return each response's
+    arrival time and its (rounds, accepted, timing)."""
     tic = time.perf_counter()
-    stamps, tokens, text, items = [], [], [], []
-    last = None
+    stamps, tokens, text, items, last = [], [], [], [], None
     for r in responses:
         stamps.append(time.perf_counter())
         tokens.extend(ids_of(r))
         text.append(r.text)
         items.append((getattr(r, "rounds", 0), getattr(r, "accepted", 0), getattr(r, "timing", None)))
         last = r
-    return tic, stamps, tokens, "".join(text), items, last
-
-
-def _run(tic, stamps, tokens, text, last, n_prompt) -> Run:
-    return Run(
+    run = Run(
         tokens=tokens,
         prompt_tokens=n_prompt,
         prefill_s=stamps[0] - tic,
         decode_s=stamps[-1] - stamps[0],
         peak_memory=last.peak_memory,
         finish_reason=last.finish_reason,
-        text=text,
+        text="".join(text),
     )
+    return run, stamps, items
 
 
 def run_mlx(models: Models, ids: List[int], s: Settings, max_tokens=None, speculative=False) -> Run:
@@ -169,8 +167,7 @@ def run_mlx(models: Models, ids: List[int], s: Settings, max_tokens=None, specul
         logits_processors=s.processors,
         **extra,
     )
-    tic, stamps, tokens, text, _, last = _drive(gen, lambda r: [r.token])
-    return _run(tic, stamps, tokens, text, last, len(ids))
+    return _drive(gen, lambda r: [r.token], len(ids))[0]
 
 
 def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False) -> Run:
@@ -186,8 +183,7 @@ def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, pro
         block_size=s.block_size, max_tokens=max_tokens or s.max_tokens,
         temperature=s.temp, seed=s.seed, logits_processors=procs, profile=profile,
     )
-    tic, stamps, tokens, text, items, last = _drive(gen, lambda r: r.tokens)
-    run = _run(tic, stamps, tokens, text, last, len(ids))
+    run, stamps, items = _drive(gen, lambda r: r.tokens, len(ids))
     for i, (rounds, acc, timing) in enumerate(items):
         if not rounds:  # the prefill's first token is not a round
             continue

@@ -170,3 +170,37 @@ def test_statistics():
     assert bm.histogram([1, 3, 3, 16], 16)[:3] == [1, 0, 2]
     c = bm.cost_model(4.0, {"draft": 1.0, "verify": 3.0, "accept": 0.5, "other": 0.5}, 2.0)
     assert c["costs"]["verify"] == 1.5 and c["ideal_speedup"] == 2.0
+
+
+def test_hub_formats(tmp_path, monkeypatch):
+    """The paper datasets' prompt formats, with the hub replaced by local files."""
+    import huggingface_hub
+
+    from dflash_mlx import datasets as ds
+
+    rows = {
+        "HuggingFaceH4/MATH-500": [{"problem": "What is 1+1?"}],
+        "openai/openai_humaneval": [{"prompt": "def f(x):\n    pass"}],
+        "HuggingFaceH4/mt_bench_prompts": [{"prompt": ["Write a poem.", "Shorter."]}],
+    }
+
+    def files(self, repo, repo_type=None):
+        return ["README.md", "test.jsonl", "train.jsonl"]
+
+    def download(repo, name, repo_type=None):
+        f = tmp_path / repo.replace("/", "_")
+        f.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[repo]))
+        return str(f.with_suffix(".jsonl"))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "list_repo_files", files)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # force the huggingface_hub path
+    (m,) = ds.load_samples("math-500")
+    assert m.turns == ["What is 1+1?\nPlease reason step by step, and put your final answer within \\boxed{}."]
+    (h,) = ds.load_samples("humaneval")
+    assert h.turns == [
+        "Write a solution to the following problem and make sure that it passes the tests:\n"
+        "```python\ndef f(x):\n    pass\n```"
+    ]
+    (t,) = ds.load_samples("mt-bench")
+    assert t.turns == ["Write a poem.", "Shorter."]

@@ -18,8 +18,8 @@ decode steps (1 step = 1 / plain decode tok/s), with the ideal speedup
 tau / (c_draft + c_verify) next to the measured one.
 
     python -m dflash_mlx.benchmark                      # demo pair, its prompts
-    python -m dflash_mlx.benchmark --model Qwen/Qwen3-4B --dataset gsm8k \
-        --max-samples 10 --max-tokens 256 --out results.json \
+    python -m dflash_mlx.benchmark --model Qwen/Qwen3-4B --dataset gsm8k \\
+        --max-samples 10 --max-tokens 256 --out results.json \\
         --baseline-draft-model Qwen/Qwen3-0.6B
 """
 

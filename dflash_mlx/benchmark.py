@@ -262,6 +262,7 @@ def prompt_result(pid: str, runs: Dict[str, Run], prof: Optional[Run], block: in
         plain_step_s=step,
         **cost_model(fl.tau, split, step),
         runs={k: v.to_dict() for k, v in runs.items()},
+        profiled_decode_tps=prof.decode_tps if prof else None,
         output=plain.text,
     )
     if "baseline" in runs:

@@ -8,6 +8,7 @@ from .errors import (
     DraftWeightsError,
     GenerationArgumentError,
     IncompatibleDraftError,
+    ModelLoadError,
     ModelNotFoundError,
     UnsupportedModelError,
 )

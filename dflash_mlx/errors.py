@@ -9,6 +9,10 @@ class ModelNotFoundError(DFlashError, FileNotFoundError):
     """A model or draft folder/repo could not be found or fetched."""
 
 
+class ModelLoadError(DFlashError, ValueError):
+    """A target folder exists but cannot be loaded (bad JSON, corrupt weights)."""
+
+
 class DraftConfigError(DFlashError, ValueError):
     """A draft's config.json is missing, malformed or inconsistent."""
 

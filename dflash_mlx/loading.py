@@ -16,6 +16,7 @@ from .draft import DFlashDraft
 from .errors import (
     DraftWeightsError,
     IncompatibleDraftError,
+    ModelLoadError,
     ModelNotFoundError,
     UnsupportedModelError,
 )
@@ -26,7 +27,8 @@ def _on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def _fetch(path_or_repo: str, what: str) -> Path:
+def _local(path_or_repo: str, what: str) -> Optional[Path]:
+    """The local folder, or None for something that looks like a hub id."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -37,20 +39,38 @@ def _fetch(path_or_repo: str, what: str) -> Path:
             f"{what} '{path_or_repo}' is neither a local folder nor a hub repo id "
             "(owner/name)."
         )
-    from huggingface_hub import snapshot_download
+    return None
 
-    try:
-        return Path(
-            snapshot_download(
-                path_or_repo, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
-            )
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else 'no detail'}"
+
+
+def _hub_error(what: str, repo: str, e: Exception) -> ModelNotFoundError:
+    return ModelNotFoundError(
+        f"Could not fetch {what} '{repo}' from the hub ({_first_line(e)}). "
+        "Check the repo id and your connection, or pass a local folder."
+    )
+
+
+def _load_error(e: Exception, path: Optional[Path], repo: str) -> Exception:
+    """One clear error for whatever mlx_lm.load raised."""
+    if path is None:
+        return _hub_error("model", repo, e)
+    if isinstance(e, json.JSONDecodeError):
+        return ModelLoadError(f"{path}/config.json is not valid JSON ({e}).")
+    if isinstance(e, ValueError) and "not supported" in str(e):
+        return UnsupportedModelError(
+            f"mlx-lm cannot build this model ({e}); check config.json's model_type "
+            "or upgrade mlx-lm."
         )
-    except Exception as e:  # network, auth, offline mode, unknown repo
-        raise ModelNotFoundError(
-            f"Could not fetch {what} '{path_or_repo}' from the hub "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'}). "
-            "Check the repo id and your connection, or pass a local folder."
-        ) from None
+    if isinstance(e, FileNotFoundError):
+        return ModelNotFoundError(f"Incomplete model folder {path}: {e}")
+    return ModelLoadError(
+        f"Could not load the model in {path} ({_first_line(e)}); check that the "
+        "folder is complete and its files are not corrupted."
+    )
 
 
 def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module, object]:
@@ -66,15 +86,13 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module
     """
     import mlx_lm
 
-    path = _fetch(path_or_repo, "Model")
-    if not (path / "config.json").exists():
+    path = _local(path_or_repo, "Model")
+    if path is not None and not (path / "config.json").exists():
         raise ModelNotFoundError(f"No config.json in {path}; is it a model folder?")
     try:
-        model, tokenizer = mlx_lm.load(str(path))
-    except ValueError as e:
-        raise UnsupportedModelError(f"mlx-lm cannot load {path}: {e}") from None
-    except (FileNotFoundError, OSError, RuntimeError) as e:
-        raise ModelNotFoundError(f"Could not load the model in {path}: {e}") from None
+        model, tokenizer = mlx_lm.load(str(path or path_or_repo))
+    except Exception as e:
+        raise _load_error(e, path, path_or_repo) from None
     dtype = dtype or (mx.float32 if _on_cpu() else None)
     if dtype is not None:
         model.set_dtype(dtype)
@@ -89,7 +107,14 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
             hub repo id (only *.json and *.safetensors are downloaded).
         dtype: Weight type. Default: float32 on the CPU, else as stored.
     """
-    path = _fetch(path_or_repo, "Draft")
+    path = _local(path_or_repo, "Draft")
+    if path is None:
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(path_or_repo, allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as e:  # network, auth, offline mode, unknown repo
+            raise _hub_error("draft", path_or_repo, e) from None
     config = DFlashConfig.from_file(path / "config.json")
     draft = DFlashDraft(config)
     files = sorted(glob.glob(str(path / "*.safetensors")))

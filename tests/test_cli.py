@@ -66,3 +66,23 @@ def test_known_drafts():
     assert known_draft("mlx-community/Qwen3.5-35B-A3B-4bit") == "z-lab/Qwen3.5-35B-A3B-DFlash"
     assert known_draft("meta-llama/Llama-3.1-8B-Instruct") == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert known_draft("Qwen/Qwen2.5-7B") is None
+
+
+def test_ctrl_c_ends_cleanly(target_folder, tmp_path):
+    import signal
+    import time
+
+    folder = target_folder("qwen3")
+    draft = make_draft(tmp_path / "d", folder)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "dflash_mlx.generate", "--model", str(folder), "--draft", str(draft),
+         "--prompt", "hi", "--max-tokens", "100000", "--block-size", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    p.stdout.read(1)  # generation has started
+    time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130
+    assert err.decode().strip() == "error: interrupted"

@@ -43,19 +43,26 @@ def test_max_tokens_and_eos_edges(loaded, draft_for):
     model, tok, folder = loaded("qwen3", tied=True)
     prompt = PROMPTS[0]
     ref = mlx_tokens(model, tok, prompt, 60)
-    draft = draft_for(folder, mask_token_id=runs(ref)[0], echo=True)
+    draft = draft_for(folder, mask_token_id=runs(ref)[-1], echo=True)
     for n in (1, 2, 3, 7, 16, 17, 33):
         out, rs = dflash_tokens(model, draft, tok, prompt, block_size=16, max_tokens=n)
         assert out == ref[:n] and rs[-1].finish_reason == "length"
         assert rs[-1].generation_tokens == n
-    # Make tokens inside an accepted block, and a bonus token, stop tokens.
-    for stop in {ref[5], ref[20], ref[-1]}:
+    # Each distinct token in turn is a stop token: some stop inside an
+    # accepted block, some are the bonus token.
+    inside = bonus = False
+    for stop in dict.fromkeys(ref):
         old = set(tok.eos_token_ids)
         tok.eos_token_ids = old | {stop}
         try:
-            want = mlx_tokens(model, tok, prompt, 60)
+            want, text = mlx_run(model, tok, prompt, 60)
             out, rs = dflash_tokens(model, draft, tok, prompt, block_size=16, max_tokens=60)
         finally:
             tok.eos_token_ids = old
         assert out == want and out[-1] == stop
-        assert rs[-1].finish_reason == "stop"
+        assert "".join(r.text for r in rs) == text
+        last = rs[-1]
+        assert last.finish_reason == "stop"
+        inside |= len(last.tokens) < last.accepted
+        bonus |= len(last.tokens) == last.accepted > 1
+    assert inside and bonus

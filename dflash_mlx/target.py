@@ -105,6 +105,15 @@ class Target:
             tape = [(c, s, gdn, inp.value, conv.value) for _, c, s, gdn, inp, conv in tape]
         return logits[0], features, tape
 
+    def hidden(self, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
+        """Run the target without a cache on a batch ``tokens`` [B, S] and return
+        its logits [B, S, V] and the concatenated outputs of ``layer_ids``
+        [B, S, n*H] (used to train drafts)."""
+        with self.lock, self._taps(layer_ids, None) as (taps, _):
+            logits = self.model(tokens)
+            feats = [taps[i].value for i in layer_ids]
+        return logits, mx.concatenate(feats, axis=-1)
+
     @contextmanager
     def _taps(self, layer_ids, cache):
         taps: Dict[int, _Tap] = {}

@@ -53,11 +53,11 @@ HELD_OUT = [
 class TargetArgs:
     """The demo target: a small Qwen3."""
 
-    hidden_size: int = 320
-    num_hidden_layers: int = 6
-    intermediate_size: int = 960
-    num_attention_heads: int = 5
-    num_key_value_heads: int = 1
+    hidden_size: int = 256
+    num_hidden_layers: int = 4
+    intermediate_size: int = 768
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
     head_dim: int = 64
     vocab_pad: int = 64
 
@@ -148,8 +148,11 @@ def target_config(a: TargetArgs, n_tok: int) -> dict:
     )
 
 
-def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr: float, seed: int):
-    """Next-token training of the target on random windows of the stream."""
+def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr: float,
+                 seed: int, minutes: float = None):
+    """Next-token training of the target on random windows of the stream.
+    With ``minutes`` the step count is set from a timed trial step so that
+    training fits the budget."""
     from mlx_lm.models import qwen3
 
     from ..train import Progress, make_schedule
@@ -165,12 +168,19 @@ def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr
     rng = np.random.default_rng(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
-    opt = optim.AdamW(make_schedule(lr, steps, max(1, steps // 20)), weight_decay=0.1)
 
     def loss_fn(m, x, y):
         return nn.losses.cross_entropy(m(x), y, reduction="mean")
 
     grad = nn.value_and_grad(model, loss_fn)
+    if minutes:
+        x = mx.array(rng.integers(0, n_tok, size=(batch, seq + 1)), dtype=mx.int32)
+        mx.eval(grad(model, x[:, :-1], x[:, 1:]))
+        tic = time.perf_counter()
+        mx.eval(grad(model, x[:, :-1], x[:, 1:]))
+        steps = max(50, int(minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
+        print(f"target: {steps} steps fit in {minutes} min", file=sys.stderr)
+    opt = optim.AdamW(make_schedule(lr, steps, max(1, steps // 20)), weight_decay=0.1)
     state = [model.state, opt.state]
 
     def step(x, y):
@@ -250,7 +260,7 @@ def copy_pair(work: Path, dest: Path) -> None:
         {k: v.astype(mx.float16) for k, v in w.items()},
         metadata={"format": "mlx"},
     )
-    for f in ("draft" + "/train_state.json", "draft/train_state.safetensors"):
+    for f in ("draft/train_state.json", "draft/train_state.npz"):
         (dest / f).unlink(missing_ok=True)
     shutil.copy2(work / "prompts.jsonl", dest / "prompts.jsonl")
 
@@ -264,6 +274,8 @@ def main(argv=None):
     p.add_argument("--fast", action="store_true", help="A reduced build (~40 min).")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=None)
+    p.add_argument("--target-minutes", type=float, default=None,
+                   help="Fit target training in this time instead of a step count.")
     p.add_argument("--target-batch", type=int, default=16)
     p.add_argument("--target-seq", type=int, default=256)
     p.add_argument("--target-lr", type=float, default=2e-3)
@@ -285,7 +297,8 @@ def main(argv=None):
         n = build_tokenizer(work, args.vocab, a.vocab_pad)
         print(f"tokenizer: {n} tokens", file=sys.stderr)
     if "target" in stages:
-        train_target(work, a, t_steps, args.target_batch, args.target_seq, args.target_lr, args.seed)
+        train_target(work, a, t_steps, args.target_batch, args.target_seq, args.target_lr, args.seed,
+                     args.target_minutes)
     if "prompts" in stages:
         build_prompts(work)
     if "draft" in stages:

@@ -1,0 +1,196 @@
+"""Training data for DFlash drafts: read text / JSONL, tokenize, and replace
+responses with the target's own greedy continuations."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+
+from .errors import DFlashError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json", ".toml", ".yaml", ".yml", ".html", ".css", ".sh"}
+
+
+class DataError(DFlashError, ValueError):
+    """Training data is missing, empty or malformed."""
+
+
+@dataclass
+class Sequence:
+    """Token ids of one training sequence; tokens at positions >= ``start``
+    are training targets (positions before it are context only)."""
+
+    tokens: List[int]
+    start: int = 1
+
+
+def read_records(path: str) -> List[Dict]:
+    """Records of a file or folder: ``{"text"}``, ``{"prompt", "completion"}``
+    or ``{"messages"}`` dicts. Text files become ``{"text"}``; .jsonl lines
+    are taken as they are (a line may also be a bare string)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataError(f"Data path '{path}' does not exist.")
+    if p.is_dir():
+        files = sorted(
+            f for f in p.rglob("*")
+            if f.is_file() and (f.suffix in TEXT_SUFFIXES or f.suffix == ".jsonl")
+            and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
+    else:
+        files = [p]
+    records = []
+    for f in files:
+        if f.suffix == ".jsonl":
+            records.extend(_jsonl(f))
+        else:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                records.append({"text": text})
+    if not records:
+        raise DataError(f"No training text found in '{path}'.")
+    return records
+
+
+def _jsonl(f: Path) -> List[Dict]:
+    out = []
+    for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{f}:{n}: not valid JSON ({e.msg}).") from None
+        if isinstance(r, str):
+            r = {"text": r}
+        if not isinstance(r, dict) or not ({"text", "prompt", "messages"} & set(r)):
+            raise DataError(
+                f"{f}:{n}: expected an object with 'text', 'prompt' (and "
+                "'completion') or 'messages'."
+            )
+        out.append(r)
+    return out
+
+
+def _encode(tokenizer, text: str) -> List[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def split(tokenizer, record: Dict) -> (List[int], Optional[List[int]]):
+    """Prompt ids and response ids of a record (response None for plain text)."""
+    if "messages" in record:
+        msgs = record["messages"]
+        last = max((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), default=None)
+        if last is None:
+            return _chat(tokenizer, msgs, True), []
+        prompt = _chat(tokenizer, msgs[:last], True)
+        full = _chat(tokenizer, msgs[: last + 1], False)
+        if full[: len(prompt)] != prompt:
+            return full, None
+        return prompt, full[len(prompt):]
+    if "prompt" in record:
+        prompt = _encode(tokenizer, record["prompt"])
+        comp = record.get("completion")
+        return prompt, _encode(tokenizer, comp) if comp else []
+    return _encode(tokenizer, record["text"]), None
+
+
+def _chat(tokenizer, msgs, gen: bool) -> List[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs)
+        return _encode(tokenizer, text + ("assistant: " if gen else ""))
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
+    return list(ids)
+
+
+def prompt_text(tokenizer, record: Dict) -> str:
+    """The text a decoding prompt made from ``record`` would be."""
+    if "messages" in record:
+        msgs = record["messages"]
+        if msgs and msgs[-1].get("role") == "assistant":
+            msgs = msgs[:-1]
+        if getattr(tokenizer, "chat_template", None) is not None:
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant: "
+    if "prompt" in record:
+        return record["prompt"]
+    return record["text"]
+
+
+def sequences(tokenizer, records: List[Dict], seq_len: int) -> List[Sequence]:
+    """Tokenize records into sequences of at most ``seq_len`` tokens; plain
+    text is cut into consecutive chunks."""
+    out = []
+    for r in records:
+        prompt, resp = split(tokenizer, r)
+        if resp is None:
+            for i in range(0, len(prompt), seq_len):
+                chunk = prompt[i : i + seq_len]
+                if len(chunk) >= 2:
+                    out.append(Sequence(chunk, 1))
+        else:
+            toks = (prompt + resp)[:seq_len]
+            start = max(1, min(len(prompt), len(toks) - 1))
+            if len(toks) >= 2:
+                out.append(Sequence(toks, start))
+    return out
+
+
+def regen_prompts(tokenizer, records: List[Dict], seq_len: int, prompt_len: int) -> List[List[int]]:
+    """Prompts to continue with the target: the prompt of each record, or for
+    plain text, the first ``prompt_len`` tokens of each ``seq_len`` chunk."""
+    out = []
+    for r in records:
+        prompt, resp = split(tokenizer, r)
+        if resp is None:
+            for i in range(0, len(prompt), seq_len):
+                chunk = prompt[i : i + prompt_len]
+                if len(chunk) == prompt_len or (i == 0 and chunk):
+                    out.append(chunk)
+        elif prompt:
+            out.append(prompt[: max(1, seq_len - 2)])
+    return out
+
+
+def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch: int = 32,
+               progress=None) -> List[Sequence]:
+    """The target's greedy continuation of each prompt, as Sequences whose
+    targets are the generated tokens. Prompts of equal length run as one batch."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    groups: Dict[int, List[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    out: List[Optional[Sequence]] = [None] * len(prompts)
+    done = 0
+    eos_arr = mx.array(sorted(eos)) if eos else None
+    for _, idx in sorted(groups.items()):
+        for b in range(0, len(idx), batch):
+            rows = idx[b : b + batch]
+            x = mx.array([prompts[i] for i in rows])
+            cache = make_prompt_cache(model)
+            logits = model(x, cache=cache)
+            gen, stopped = [], mx.zeros((len(rows),), dtype=mx.bool_)
+            for _ in range(max_tokens):
+                tok = mx.argmax(logits[:, -1], axis=-1)
+                gen.append(tok)
+                if eos_arr is not None:
+                    stopped = stopped | (tok[:, None] == eos_arr[None]).any(-1)
+                if len(gen) % 16 == 0 and stopped.all().item():
+                    break
+                logits = model(tok[:, None], cache=cache)
+                mx.eval(logits, stopped)
+            gen = mx.stack(gen, axis=1).tolist()
+            for i, g in zip(rows, gen):
+                for k, t in enumerate(g):
+                    if t in eos:
+                        g = g[: k + 1]
+                        break
+                p = prompts[i]
+                out[i] = Sequence(p + g, max(1, len(p)))
+            done += len(rows)
+            if progress is not None:
+                progress(done, len(rows) * max_tokens)
+    return out

@@ -1,0 +1,176 @@
+"""The draft trainer: its training path matches the decoding path, its loss
+falls, and what it saves decodes losslessly. Also guards the shipped demo pair."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+
+from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.config import DFlashConfig
+from dflash_mlx.data import Sequence, read_records, regen_prompts, regenerate, sequences
+from dflash_mlx.draft import DFlashDraft
+from dflash_mlx.target import Target
+from dflash_mlx.train import TrainArgs, block_logits, main, make_batch, train
+
+from tiny import corpus_files, make_target
+
+DEMO = Path(__file__).resolve().parent.parent / "dflash_mlx" / "demo"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = make_target(tmp_path_factory.mktemp("target"), "qwen3", layers=4)
+    model, tok = load(str(folder))
+    return folder, model, tok
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    for f in corpus_files(4):
+        (d / Path(f).name).write_text(Path(f).read_text()[:3000])
+    return d
+
+
+def _draft(model, bs=4, layers=2, seed=3):
+    t = Target(model)
+    cfg = DFlashConfig(
+        hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=t.vocab_rows,
+        mask_token_id=t.vocab_rows - 16, target_layer_ids=[1, 3], num_target_layers=t.num_layers,
+        rope_theta=10000.0, block_size=bs,
+    )
+    mx.random.seed(seed)
+    d = DFlashDraft(cfg)
+    mx.eval(d.parameters())
+    return d
+
+
+def test_training_path_matches_decoding_path(tiny):
+    """Logits of many anchors at once (training) == draft.propose after the
+    same context went through the cache (decoding), block by block."""
+    _, model, _ = tiny
+    t, bs = Target(model), 4
+    draft = _draft(model, bs)
+    rng = np.random.default_rng(0)
+    toks = mx.array(rng.integers(0, 300, size=(2, 24)), dtype=mx.int32)
+    _, feats = t.hidden(toks, draft.config.target_layer_ids)
+    anchors = np.array([[1, 5, 11], [3, 9, 20]])
+    blocks = np.take_along_axis(np.array(toks)[:, None], anchors[..., None] + np.arange(bs), 2)
+    blocks[..., 1:] = draft.config.mask_token_id
+    got = block_logits(draft, t, feats, mx.array(blocks.reshape(-1, bs)), mx.array(anchors.reshape(-1)))
+    for b in range(2):
+        for j, a in enumerate(anchors[b]):
+            cache = draft.make_cache()
+            # Context arrives in two pieces, as over decoding rounds.
+            cut = a // 2
+            if cut:
+                draft.propose(toks[b, cut - 1 : cut], feats[b : b + 1, :cut], cache, t.embed, t.head, bs)
+            want = draft.propose(toks[b, a : a + 1], feats[b : b + 1, cut:a], cache, t.embed, t.head, bs)
+            np.testing.assert_allclose(np.array(got[b * 3 + j]), np.array(want), atol=2e-4, rtol=1e-4)
+
+
+def test_features_match_decoding_capture(tiny):
+    """Batched feature extraction equals the per-token capture of decoding."""
+    _, model, _ = tiny
+    t = Target(model)
+    toks = mx.array([[5, 9, 31, 7, 2, 44, 18]])
+    logits, f = t.hidden(toks, [0, 2])
+    cache = t.make_cache()
+    l1, f1, _ = t.forward(toks[0, :4], cache, [0, 2])
+    l2, f2, _ = t.forward(toks[0, 4:], cache, [0, 2])
+    np.testing.assert_allclose(np.array(f), np.array(mx.concatenate([f1, f2], 1)), atol=1e-4)
+    np.testing.assert_allclose(np.array(logits[0]), np.array(mx.concatenate([l1, l2])), atol=1e-3)
+
+
+def test_batch_anchors_stay_in_range(tiny):
+    _, model, tok = tiny
+    a = TrainArgs(block_size=4, anchors=6, seq_len=16)
+    seqs = [Sequence(list(range(1, 11)), 4), Sequence(list(range(1, 17)), 1)]
+    toks, blocks, anchors, labels, valid = make_batch(seqs, a, 0, 999, np.random.default_rng(0))
+    anchors, labels, valid, blocks = map(np.array, (anchors, labels, valid, blocks))
+    assert toks.shape == (2, 16) and blocks.shape == (12, 4)
+    assert (anchors[:6] >= 3).all() and (anchors[:6] <= 8).all() and (anchors[6:] <= 14).all()
+    assert (blocks[:, 1:] == 999).all() and (blocks[:, 0] == anchors + 1).all()
+    # Labels are the following tokens, marked invalid past the sequence end.
+    for r in range(12):
+        n = 10 if r < 6 else 16
+        for k in range(3):
+            assert valid[r, k] == (anchors[r] + k + 1 < n)
+            if valid[r, k]:
+                assert labels[r, k] == anchors[r] + k + 2
+
+
+def test_loss_falls_and_saved_draft_is_lossless(tiny, data, tmp_path):
+    folder, model, tok = tiny
+    seqs = regenerate(model, regen_prompts(tok, read_records(str(data)), 64, 16), 48,
+                      set(tok.eos_token_ids), batch=16)
+    assert all(len(s.tokens) > 16 and s.start == 16 for s in seqs)
+    losses, taus = [], []
+    a = TrainArgs(block_size=16, depth=2, seq_len=64, anchors=8, batch_size=4, steps=40,
+                  lr=3e-3, checkpoint_every=0)
+    train(model, tok, seqs, str(tmp_path / "d"), a,
+          on_step=lambda s, l, acc, tau: (losses.append(l), taus.append(tau)))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    assert np.mean(taus[-5:]) > np.mean(taus[:5])
+
+    draft = load_draft(str(tmp_path / "d"))
+    assert draft.config.block_size == 16 and draft.config.num_hidden_layers == 2
+    prompt = "def walk(self, node):\n"
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=40)]
+    for bs in (1, 4, 16):
+        got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=40)
+               for t in r.tokens]
+        assert got == want, bs
+
+
+def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):
+    folder, _, _ = tiny
+    out = tmp_path / "draft"
+    args = ["--model", str(folder), "--data", str(data), "--out", str(out), "--block-size", "8",
+            "--depth", "1", "--seq-len", "48", "--anchors", "4", "--batch-size", "2",
+            "--eval-prompts", "0", "--checkpoint-every", "2"]
+    assert main(args + ["--steps", "3"]) == 0
+    assert json.loads((out / "train_state.json").read_text())["step"] == 3
+    assert main(args + ["--steps", "5", "--resume"]) == 0
+    assert json.loads((out / "train_state.json").read_text())["step"] == 5
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["block_size"] == 8 and cfg["dflash_config"]["target_layer_ids"] == [2]
+    capsys.readouterr()
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("".join(json.dumps({"prompt": f"import os{i}\n"}) + "\n" for i in range(3)))
+    assert main(args + ["--steps", "2", "--eval-data", str(jl), "--eval-prompts", "2",
+                        "--eval-tokens", "12", "--regenerate", "--regen-tokens", "8"]) == 0
+    assert "held-out prompts:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["model", "data", "empty"])
+def test_cli_bad_input_is_one_line(tiny, data, tmp_path, capsys, bad):
+    folder, _, _ = tiny
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    m = str(tmp_path / "nope") if bad == "model" else str(folder)
+    d = {"data": str(tmp_path / "missing"), "empty": str(empty)}.get(bad, str(data))
+    assert main(["--model", m, "--data", d, "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(not (DEMO / "draft" / "config.json").exists(), reason="demo pair not built")
+def test_demo_pair_is_lossless_and_accepts():
+    model, tok = load(str(DEMO / "target"))
+    draft = load_draft(str(DEMO / "draft"))
+    prompts = [json.loads(l)["prompt"] for l in (DEMO / "prompts.jsonl").read_text().splitlines()]
+    rounds = committed = 0
+    for p in prompts[:: max(1, len(prompts) // 3)][:3]:
+        want = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=48)]
+        got, last = [], None
+        for last in stream_generate(model, draft, tok, p, max_tokens=48):
+            got.extend(last.tokens)
+        assert got == want
+        rounds, committed = rounds + last.rounds, committed + last.committed
+    assert committed / rounds > 2

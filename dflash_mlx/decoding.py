@@ -6,6 +6,7 @@ from typing import Callable, Dict, Generator, List, Optional, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .draft import DFlashDraft
@@ -148,101 +149,125 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)
-    sampler = sampler or make_sampler(temperature, top_p, min_p, top_k, seed)
-    target = Target(model)
     if draft is not None:
         check_compatible(draft, model)
-    layer_ids = draft.config.target_layer_ids if draft is not None and bs > 1 else []
-    cache = prompt_cache if prompt_cache is not None else target.make_cache()
-    if bs > 1:
-        check_rollback(cache)
-    dcache = draft.make_cache() if layer_ids else None
-    record = bs > 1
+    dec = _Decoder(
+        Target(model),
+        draft if bs > 1 else None,
+        sampler or make_sampler(temperature, top_p, min_p, top_k, seed),
+        logits_processors,
+        prompt_cache,
+        profile,
+    )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
     detok.reset()
-
-    tic = time.perf_counter()
     history = list(ids)
-    feats = []
-    for i in range(0, len(ids), prefill_step_size):
-        chunk = mx.array(ids[i : i + prefill_step_size])
-        logits, f, _ = target.forward(chunk, cache, layer_ids)
-        if f is not None:
-            feats.append(f)
-        if i + prefill_step_size < len(ids):
-            mx.eval([c.state for c in cache] + feats)
-    pending = mx.concatenate(feats, axis=1) if feats else None
-    logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), logits_processors)
-    if pending is not None:
-        mx.eval(pending)
-    first = sampler(logp)
-    tokens = [first.item()]
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
-    tic = time.perf_counter()
 
-    n, rounds, committed, timing = 0, 0, 0, None
-    while True:
-        # Commit `tokens`, up to an EOS or max_tokens, and report the round.
-        finish = None
-        new = []
-        for t in tokens:
-            new.append(t)
-            n += 1
-            if t in eos:
-                finish = "stop"
-                break
-            detok.add_token(t)
-            if n == max_tokens:
-                finish = "length"
-                break
-        if finish:
-            detok.finalize()
-        text = detok.last_segment
-        history.extend(new)
-        yield GenerationResponse(
-            text=text,
-            token=new[-1],
-            tokens=new,
-            accepted=len(tokens),
-            prompt_tokens=len(ids),
-            prompt_tps=prompt_tps,
-            generation_tokens=n,
-            generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            rounds=rounds,
-            committed=committed,
-            timing=timing,
-            from_draft=len(tokens) > 1,
-        )
-        if finish:
-            return
+    with wired_limit(model, [generation_stream]):
+        tic = time.perf_counter()
+        with mx.stream(generation_stream):
+            tokens = dec.prefill(ids, prefill_step_size)
+        prompt_tps = len(ids) / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        n = 0
+        while True:
+            # Commit this round's tokens up to an EOS or max_tokens.
+            finish, new = None, []
+            for t in tokens:
+                new.append(t)
+                n += 1
+                if t in eos:
+                    finish = "stop"
+                    break
+                detok.add_token(t)
+                if n == max_tokens:
+                    finish = "length"
+                    break
+            if finish:
+                detok.finalize()
+            history.extend(new)
+            yield GenerationResponse(
+                text=detok.last_segment,
+                token=new[-1],
+                tokens=new,
+                accepted=len(tokens),
+                prompt_tokens=len(ids),
+                prompt_tps=prompt_tps,
+                generation_tokens=n,
+                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                rounds=dec.rounds,
+                committed=dec.committed,
+                timing=dec.timing,
+                from_draft=len(tokens) > 1,
+            )
+            if finish:
+                return
+            with mx.stream(generation_stream):
+                tokens = dec.round(history, min(bs, max_tokens - n))
 
-        clock = _Clock(profile)
+
+class _Decoder:
+    """The target, the draft and their caches for one generation."""
+
+    def __init__(self, target, draft, sampler, processors, cache, profile):
+        self.target, self.draft = target, draft
+        self.sampler, self.processors, self.profile = sampler, processors, profile
+        self.cache = cache if cache is not None else target.make_cache()
+        self.layer_ids = draft.config.target_layer_ids if draft is not None else []
+        if draft is not None:
+            check_rollback(self.cache)
+            self.dcache = draft.make_cache()
+        self.pending = None  # target features the draft has not seen yet
+        self.rounds, self.committed, self.timing = 0, 0, None
+
+    def prefill(self, ids: List[int], step: int) -> List[int]:
+        """Run the prompt through the target; return its first token."""
+        feats = []
+        for i in range(0, len(ids), step):
+            logits, f, _ = self.target.forward(mx.array(ids[i : i + step]), self.cache, self.layer_ids)
+            feats += [f] if f is not None else []
+            if i + step < len(ids):
+                mx.eval([c.state for c in self.cache] + feats)
+        if feats:
+            self.pending = mx.concatenate(feats, axis=1)
+        logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
+        return self.sampler(logp).tolist()
+
+    def round(self, history: List[int], length: int) -> List[int]:
+        """Draft ``length - 1`` tokens after the last one, verify them and
+        return the committed tokens (accepted drafts plus the bonus)."""
+        clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
-        if layer_ids:
-            dlogits = draft.propose(anchor, pending, dcache, target.embed, target.head, bs)
-            proposal = mx.argmax(dlogits, axis=-1).astype(anchor.dtype)
+        drafting = self.draft is not None and length > 1
+        if drafting:
+            t = self.target
+            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, t.head, length)
+            proposal = mx.argmax(logits, axis=-1).astype(anchor.dtype)
             block = mx.concatenate([anchor, proposal])
             clock.lap("draft", proposal)
         else:
             block = anchor
-        logits, f, tape = target.forward(block, cache, layer_ids, record)
+        # A plain step still records features, so the draft's context stays whole.
+        logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        seen = mx.array(history[:-1]) if logits_processors else None
-        choice = sampler(process(logits, seen, block, logits_processors))
-        a = accepted(proposal, choice) if layer_ids else mx.array(0)
+        seen = mx.array(history[:-1]) if self.processors else None
+        choice = self.sampler(process(logits, seen, block, self.processors))
+        a = accepted(proposal, choice) if drafting else mx.array(0)
         out = mx.concatenate([choice.astype(mx.int32), a.reshape(1).astype(mx.int32)]).tolist()
         a = out[-1]
-        tokens = out[: a + 1]
-        rollback(cache, tape, a + 1, block.shape[0])
-        if layer_ids:
-            pending = f[:, : a + 1]
-        clock.lap("accept", [c.state for c in cache])
-        timing = clock.laps if profile else None
-        rounds += 1
-        committed += len(tokens)
+        rollback(self.cache, tape, a + 1, block.shape[0])
+        if drafting:
+            self.pending = f[:, : a + 1]
+        elif f is not None:
+            self.pending = mx.concatenate([self.pending, f], axis=1)
+        clock.lap("accept", [c.state for c in self.cache])
+        self.timing = clock.laps if self.profile else None
+        self.rounds += 1
+        self.committed += a + 1
+        return out[: a + 1]
 
 
 class _Clock:

@@ -121,7 +121,10 @@ def read_jsonl(path: Path) -> List[Sample]:
 def _sample(row, sid: str, where: str) -> Sample:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object with 'prompt', 'messages' or 'turns'.")
-    sid = str(row.get("id", sid))
+    if "id" in row:
+        sid = str(row["id"])
+    elif isinstance(row.get("file"), str):
+        sid = f"{row['file']}@{sid.rsplit(':', 1)[-1]}"
     if isinstance(row.get("prompt"), str) and row["prompt"]:
         return Sample(sid, [row["prompt"]])
     turns = row.get("turns")

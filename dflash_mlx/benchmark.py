@@ -331,13 +331,16 @@ class Progress:
         self.tty = self.out.isatty()
         self.t0 = time.perf_counter()
 
-    def show(self, done: int, msg: str) -> None:
+    def show(self, done: int, msg: str, final: bool = False) -> None:
+        """Update the line; ``final`` marks a finished prompt."""
         width = 20
         fill = int(width * done / max(self.total, 1))
         line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{self.total} {msg} ({time.perf_counter() - self.t0:.0f}s)"
         if self.tty:
             self.out.write("\r\033[K" + line)
-            self.out.flush()
+        elif final:
+            self.out.write(line + "\n")
+        self.out.flush()
 
     def log(self, msg: str) -> None:
         if self.tty:
@@ -625,7 +628,7 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
             ids = encode(models.tokenizer, render(models.tokenizer, chat, template))
             rec = bench.prompt(pid, ids, done, lambda msg: progress.show(done, msg))
             done += 1
-            progress.show(done, f"{pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}")
+            progress.show(done, f"{pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}", final=True)
             if rec["checked"] and not rec["identical"]:
                 progress.log(f"MISMATCH {pid}: outputs differ from token {rec['first_difference']}")
             chat.append({"role": "assistant", "content": rec["output"]})

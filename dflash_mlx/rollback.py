@@ -1,44 +1,89 @@
 """Bring the target's caches back to the committed prefix after a verify pass.
 
-Attention caches are trimmed. Gated-DeltaNet caches (``ArraysCache``) are
-rebuilt from the pre-verify snapshot: the conv state is a slice of the recorded
-conv input, the recurrent state is the gated-delta recurrence re-run over the
-committed steps only. No layer is run a second time except these two cheap
-pieces (and the two tiny gate projections).
+Plain attention caches are trimmed. Every other cache is restored from the
+snapshot taken before the pass (MLX arrays are immutable, so keeping the old
+state is free) and then advanced over the kept tokens only:
+
+* gated-DeltaNet caches (``ArraysCache``): the conv state is a slice of the
+  recorded conv input, the recurrent state is the gated-delta recurrence re-run
+  over the kept steps; no projection or layer is run again (only the two tiny
+  gate projections);
+* other attention caches, e.g. the rotating caches of sliding-window layers:
+  the recorded keys/values of the kept tokens are written again.
 """
 
-from typing import List
+from dataclasses import dataclass
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from .errors import UnsupportedModelError
 
 
+def trims_exactly(cache) -> bool:
+    """Whether ``cache.trim(n)`` gives exactly the state before the last n tokens."""
+    return type(cache) in (KVCache, QuantizedKVCache)
+
+
+@dataclass
+class DeltaTape:
+    """A gated-DeltaNet layer's state before a verify pass, and (through taps)
+    its input and conv input during it."""
+
+    cache: ArraysCache
+    state: list
+    gdn: nn.Module
+    x: Any
+    conv: Any
+
+    def restore(self, keep: int) -> None:
+        x, conv_input = self.x.value, self.conv.value
+        self.cache[0], self.cache[1] = _replay(
+            self.gdn, x[:, :keep], conv_input, self.state[1], keep
+        )
+
+
+@dataclass
+class CacheTape:
+    """An attention cache's state before a verify pass, and (through its
+    stand-in) the keys/values the pass wrote."""
+
+    cache: Any
+    state: Any
+    written: Any
+
+    def restore(self, keep: int) -> None:
+        keys, values = self.written.value
+        self.cache.state = self.state
+        self.cache.update_and_fetch(keys[..., :keep, :], values[..., :keep, :])
+
+
 def check_rollback(cache: list) -> None:
     """Refuse caches that cannot be brought back exactly."""
     for c in cache:
-        if isinstance(c, ArraysCache):
-            continue
-        if not (hasattr(c, "trim") and c.is_trimmable()):
+        ok = isinstance(c, ArraysCache) or trims_exactly(c) or (
+            hasattr(c, "update_and_fetch") and hasattr(c, "state")
+        )
+        if not ok:
             raise UnsupportedModelError(
-                f"The target uses {type(c).__name__}, which cannot be trimmed back "
-                "after a rejected draft token; use block_size=1 with this model."
+                f"The target uses {type(c).__name__}, which dflash_mlx cannot roll "
+                "back after a rejected draft token; use block_size=1 with this model."
             )
 
 
-def rollback(cache: list, tape: List, keep: int, length: int) -> None:
+def rollback(cache: list, tape: Optional[List], keep: int, length: int) -> None:
     """Keep the first ``keep`` of the ``length`` tokens of the last verify pass."""
     drop = length - keep
     if drop <= 0:
         return
     for c in cache:
-        if not isinstance(c, ArraysCache):
+        if trims_exactly(c):
             c.trim(drop)
-    for c, snapshot, gdn, x, conv_input in tape or []:
-        c[0], c[1] = _replay(gdn, x[:, :keep], conv_input, snapshot[1], keep)
+    for t in tape or []:
+        t.restore(keep)
 
 
 def _replay(gdn, x, conv_input, state, n):

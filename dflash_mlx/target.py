@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .errors import UnsupportedModelError
+from .rollback import CacheTape, DeltaTape, trims_exactly
 
 
 class _Tap(nn.Module):
@@ -97,48 +98,69 @@ class Target:
         with self.lock, self._taps(layer_ids, cache if record else None) as (
             taps,
             tape,
+            run_cache,
         ):
-            logits = self.model(tokens[None], cache=cache)
+            logits = self.model(tokens[None], cache=run_cache or cache)
             feats = [taps[i].value for i in layer_ids]
         features = mx.concatenate(feats, axis=-1) if feats else None
-        if tape is not None:
-            tape = [(c, s, gdn, inp.value, conv.value) for _, c, s, gdn, inp, conv in tape]
-        return logits[0], features, tape
+        return logits[0], features, (tape if record else None)
 
     def hidden(self, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
         """Run the target without a cache on a batch ``tokens`` [B, S] and return
         its logits [B, S, V] and the concatenated outputs of ``layer_ids``
         [B, S, n*H] (used to train drafts)."""
-        with self.lock, self._taps(layer_ids, None) as (taps, _):
+        with self.lock, self._taps(layer_ids, None) as (taps, _, _):
             logits = self.model(tokens)
             feats = [taps[i].value for i in layer_ids]
         return logits, mx.concatenate(feats, axis=-1)
 
     @contextmanager
     def _taps(self, layer_ids, cache):
+        """Tap the outputs of ``layer_ids``; with ``cache``, also record what
+        rollback needs: gated-DeltaNet inputs, and the updates of caches that
+        cannot simply be trimmed (these run through stand-ins)."""
         taps: Dict[int, _Tap] = {}
-        tape = []
+        deltas: List[Tuple[nn.Module, nn.Module, _Tap, _Tap]] = []
+        tape, run_cache = [], None
         try:
             for i in sorted(set(layer_ids)):
                 taps[i] = self.layers[i] = _Tap(self.layers[i], "output")
             if cache is not None:
+                run_cache = list(cache)
                 for i, c in enumerate(cache):
-                    if not isinstance(c, ArraysCache):
-                        continue
-                    layer = self.layers[i]
-                    layer = layer.module if isinstance(layer, _Tap) else layer
-                    gdn = _gated_delta(layer)
-                    inp, conv = _Tap(gdn, "input"), _Tap(gdn.conv1d, "input")
-                    tape.append((i, c, list(c.cache), gdn, inp, conv))
-                    gdn.conv1d, layer.linear_attn = conv, inp
-            yield taps, tape
+                    if isinstance(c, ArraysCache):
+                        layer = self.layers[i]
+                        layer = layer.module if isinstance(layer, _Tap) else layer
+                        gdn = _gated_delta(layer)
+                        inp, conv = _Tap(gdn, "input"), _Tap(gdn.conv1d, "input")
+                        deltas.append((layer, gdn, inp, conv))
+                        gdn.conv1d, layer.linear_attn = conv, inp
+                        tape.append(DeltaTape(c, list(c.cache), gdn, inp, conv))
+                    elif not trims_exactly(c):
+                        run_cache[i] = _CacheTap(c)
+                        tape.append(CacheTape(c, c.state, run_cache[i]))
+            yield taps, tape, run_cache
         finally:
             for i, tap in taps.items():
                 self.layers[i] = tap.module
-            for i, _, _, gdn, inp, conv in tape:
-                layer = self.layers[i]
+            for layer, gdn, _, conv in deltas:
                 layer.linear_attn = gdn
                 gdn.conv1d = conv.module
+
+
+class _CacheTap:
+    """Stands in for a cache during one forward pass and keeps its update."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.value = None
+
+    def __getattr__(self, key):
+        return getattr(self.cache, key)
+
+    def update_and_fetch(self, keys, values):
+        self.value = (keys, values)
+        return self.cache.update_and_fetch(keys, values)
 
 
 def _gated_delta(layer: nn.Module) -> nn.Module:

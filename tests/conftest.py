@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_draft, make_target  # noqa: E402
 
-ARCHS = ["qwen3", "llama", "qwen3_5", "qwen3_next", "qwen3_4bit"]
+ARCHS = ["qwen3", "llama", "qwen3_5", "qwen3_next", "qwen3_4bit", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_next"]
 
 

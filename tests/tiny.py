@@ -76,6 +76,15 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
         return dict(base, model_type="qwen3")
     if arch == "llama":
         return dict(base, model_type="llama", tie_word_embeddings=True)
+    if arch == "gpt_oss":  # sliding-window layers with a small window, MoE
+        return dict(
+            base,
+            model_type="gpt_oss",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        )
     linear = dict(
         linear_num_value_heads=4,
         linear_num_key_heads=2,
@@ -122,6 +131,8 @@ def make_target(
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
     _scale_embedding(model)
+    if tied and hasattr(model, "lm_head"):  # an arch without the tie option
+        model.lm_head.weight = model.model.embed_tokens.weight
     if arch.endswith("4bit"):
         model, config = quantize_model(model, config, group_size=32, bits=4)
     mx.eval(model.parameters())

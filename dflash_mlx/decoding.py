@@ -80,6 +80,8 @@ def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p,
         block_size = trained
     if not isinstance(block_size, int) or block_size < 1:
         raise GenerationArgumentError(f"block_size must be a positive integer, got {block_size!r}.")
+    if draft is None and block_size > 1:
+        raise GenerationArgumentError("block_size > 1 needs a draft; pass one, or block_size=1.")
     if block_size > trained:
         raise GenerationArgumentError(
             f"block_size {block_size} is larger than the draft was trained for "
@@ -151,8 +153,13 @@ def stream_generate(
     ids = _prompt_ids(tokenizer, prompt)
     if draft is not None:
         check_compatible(draft, model)
+    target = Target(model)
+    if min(ids) < 0 or max(ids) >= target.vocab_rows:
+        raise GenerationArgumentError(
+            f"The prompt holds token ids outside the model's vocabulary (0..{target.vocab_rows - 1})."
+        )
     dec = _Decoder(
-        Target(model),
+        target,
         draft if bs > 1 else None,
         sampler or make_sampler(temperature, top_p, min_p, top_k, seed),
         logits_processors,

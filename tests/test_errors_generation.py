@@ -10,6 +10,7 @@ BAD = [
     (dict(prompt=""), "prompt is empty"),
     (dict(prompt=[]), "no tokens"),
     (dict(prompt=["a", "b"]), "integer ids"),
+    (dict(prompt=[1, 2, 10**6]), "outside the model's vocabulary"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-5), "max_tokens"),
     (dict(block_size=0), "block_size"),

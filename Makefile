@@ -46,3 +46,12 @@ bench: install
 
 _bench:
 	$(RUN) -m dflash_mlx.benchmark --out bench_out/results.json $(BENCH_ARGS)
+
+# Rebuild the embedded demo pair from scratch (~2.5 h on 2 cores);
+# DEMO_ARGS=--fast for a reduced build.
+.PHONY: demo-pair _demo-pair
+demo-pair: install
+	$(MAKE) --no-print-directory _demo-pair
+
+_demo-pair:
+	$(RUN) -m dflash_mlx.demo.build $(DEMO_ARGS)

@@ -98,6 +98,7 @@ class TrainArgs:
     batch_size: int = 8
     steps: Optional[int] = None
     epochs: float = 1.0
+    minutes: Optional[float] = None
     lr: float = 6e-4
     warmup: float = 0.04
     weight_decay: float = 0.01
@@ -238,9 +239,19 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     mx.random.seed(a.seed)
     draft = DFlashDraft(cfg)
     mx.eval(draft.parameters())
-    steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
     gamma = a.gamma or default_gamma(a.block_size)
     weights = mx.exp(-mx.arange(a.block_size - 1, dtype=mx.float32) / gamma)
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    grad = nn.value_and_grad(draft, loss_fn)
+    steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
+    if a.minutes and not a.steps:
+        rng = np.random.default_rng(a.seed)
+        toks, blocks, anchors, labels, valid = make_batch(seqs[: a.batch_size], a, pad, cfg.mask_token_id, rng)
+        for _ in range(2):  # the first call pays one-time costs
+            tic = time.perf_counter()
+            mx.eval(grad(draft, target, _features(target, toks, cfg.target_layer_ids), blocks, anchors, labels, valid, weights))
+        steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
+        print(f"{steps} steps fit in {a.minutes:g} min", file=log)
     opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
     opt.init(draft.trainable_parameters())
     outp = Path(out)
@@ -248,8 +259,13 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     if resume:
         step = _load_state(draft, opt, outp)
         print(f"resuming at step {step}/{steps}", file=log)
-    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    grad = nn.value_and_grad(draft, loss_fn)
+
+    def step_fn(toks, blocks, anchors, labels, valid):
+        feats = _features(target, toks, cfg.target_layer_ids)
+        (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
+        g, _ = optim.clip_grad_norm(g, 1.0)
+        opt.update(draft, g)
+        return loss, acc, tau
     rng = np.random.default_rng(a.seed + step)
     order = rng.permutation(len(seqs))
     pos = (step * a.batch_size) % len(seqs)
@@ -261,10 +277,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         batch = [seqs[i] for i in order[pos : pos + a.batch_size]]
         pos += a.batch_size
         toks, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng)
-        feats = _features(target, toks, cfg.target_layer_ids)
-        (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
-        g, _ = optim.clip_grad_norm(g, 1.0)
-        opt.update(draft, g)
+        loss, acc, tau = step_fn(toks, blocks, anchors, labels, valid)
         mx.eval(draft.parameters(), opt.state, loss, acc, tau)
         if on_step is not None:
             on_step(step + 1, loss.item(), acc.tolist(), tau.item())
@@ -338,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--minutes", type=float, default=None, help="Set --steps to fit this training time.")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over offsets (default: by block size).")
     p.add_argument("--seed", type=int, default=0)
@@ -380,7 +394,7 @@ def _run(args) -> int:
     a = TrainArgs(
         block_size=args.block_size, depth=args.depth, target_layer_ids=ids,
         mask_token_id=args.mask_token_id, seq_len=args.seq_len, anchors=args.anchors,
-        batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, lr=args.lr,
+        batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, minutes=args.minutes, lr=args.lr,
         gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every,
     )
     records = read_records(args.data)

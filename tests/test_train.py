@@ -148,6 +148,27 @@ def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):
     assert "held-out prompts:" in capsys.readouterr().out
 
 
+def test_data_formats(tiny, tmp_path):
+    """Text is cut into chunks; chat records train on the assistant reply only,
+    with the tokenizer's chat template applied."""
+    _, _, tok = tiny
+    jl = tmp_path / "d.jsonl"
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x = 1\ny = 2"}]
+    jl.write_text(json.dumps({"messages": chat}) + "\n" + json.dumps({"text": "a b c " * 40}) + "\n"
+                  + json.dumps({"prompt": "def f():", "completion": " return 1"}) + "\n")
+    recs = read_records(str(jl))
+    seqs = sequences(tok, recs, 32)
+    prompt = tok.apply_chat_template(chat[:1], add_generation_prompt=True, tokenize=True)
+    full = tok.apply_chat_template(chat, tokenize=True)
+    assert seqs[0].tokens == list(full) and seqs[0].start == len(prompt)
+    text = tok.encode("a b c " * 40, add_special_tokens=False)
+    assert [t for s in seqs[1:-1] for t in s.tokens] == text and all(s.start == 1 for s in seqs[1:-1])
+    p_ids = tok.encode("def f():", add_special_tokens=False)
+    assert seqs[-1].tokens == p_ids + tok.encode(" return 1", add_special_tokens=False)
+    assert seqs[-1].start == len(p_ids)
+    assert regen_prompts(tok, recs[:1], 32, 8) == [list(prompt)]
+
+
 @pytest.mark.parametrize("bad", ["model", "data", "empty"])
 def test_cli_bad_input_is_one_line(tiny, data, tmp_path, capsys, bad):
     folder, _, _ = tiny

@@ -265,12 +265,45 @@ def copy_pair(work: Path, dest: Path) -> None:
     shutil.copy2(work / "prompts.jsonl", dest / "prompts.jsonl")
 
 
+def evaluate_pair(dest: Path, n: int, max_tokens: int) -> None:
+    """Greedy tau of the installed pair on held-out prompts, and its decode
+    speed against plain mlx-lm decoding of the same target (same tokens)."""
+    import mlx_lm
+
+    from .. import load, load_draft, stream_generate
+
+    model, tok = load(str(dest / "target"))
+    draft = load_draft(str(dest / "draft"))
+    prompts = [json.loads(l)["prompt"] for l in (dest / "prompts.jsonl").read_text().splitlines()]
+    prompts = prompts[:: max(1, len(prompts) // n)][:n]
+    for _ in mlx_lm.stream_generate(model, tok, prompts[0], max_tokens=16):
+        pass  # warm-up
+    t_plain = t_fast = 0.0
+    rounds = committed = tokens = 0
+    for p in prompts:
+        tic = time.perf_counter()
+        want = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=max_tokens)]
+        t_plain += time.perf_counter() - tic
+        tic = time.perf_counter()
+        got, last = [], None
+        for last in stream_generate(model, draft, tok, p, max_tokens=max_tokens):
+            got.extend(last.tokens)
+        t_fast += time.perf_counter() - tic
+        if got != want:
+            print(f"MISMATCH on prompt {p[:40]!r}", file=sys.stderr)
+        rounds, committed, tokens = rounds + last.rounds, committed + last.committed, tokens + len(got)
+    print(f"demo pair on {len(prompts)} held-out prompts, block {draft.block_size}, greedy, "
+          f"{max_tokens} tokens: tau {committed / max(rounds, 1):.2f}, plain {tokens / t_plain:.1f} tok/s, "
+          f"dflash {tokens / t_fast:.1f} tok/s, speedup {t_plain / t_fast:.2f}x (prefill included)")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.demo.build", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="build/demo", help="Scratch folder.")
     p.add_argument("--dest", default=str(HERE), help="Where the pair is installed.")
-    p.add_argument("--stages", default="tokenizer,target,prompts,draft,install")
+    p.add_argument("--stages", default="tokenizer,target,prompts,draft,install,eval")
+    p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--fast", action="store_true", help="A reduced build (~40 min).")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=None)
@@ -281,6 +314,8 @@ def main(argv=None):
     p.add_argument("--target-lr", type=float, default=2e-3)
     p.add_argument("--regen", type=int, default=None, help="Regenerated sequences for the draft.")
     p.add_argument("--draft-steps", type=int, default=None)
+    p.add_argument("--draft-minutes", type=float, default=None,
+                   help="Fit draft training in this time instead of a step count.")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -289,7 +324,7 @@ def main(argv=None):
     stages = args.stages.split(",")
     fast = args.fast
     t_steps = args.target_steps or (2000 if fast else 9000)
-    regen = args.regen or (1536 if fast else 6144)
+    regen = args.regen or (3072 if fast else 6144)
     d_steps = args.draft_steps or (900 if fast else 4000)
     a = TargetArgs()
     t0 = time.time()
@@ -316,7 +351,9 @@ def main(argv=None):
                 "--seq-len", "256",
                 "--anchors", "24",
                 "--batch-size", "8",
-                "--steps", str(d_steps),
+                *(["--minutes", str(args.draft_minutes)] if args.draft_minutes else ["--steps", str(d_steps)]),
+                "--target-layer-ids", ",".join(str(i) for i in range(1, a.num_hidden_layers)),
+                "--regen-batch", "64",
                 "--lr", "1e-3",
                 "--seed", str(args.seed),
                 "--eval-prompts", "0",
@@ -330,6 +367,8 @@ def main(argv=None):
         size = sum(f.stat().st_size for f in Path(args.dest).rglob("*") if f.is_file()
                    and f.parent.name in ("target", "draft"))
         print(f"installed in {args.dest}: {size / 1e6:.1f} MB", file=sys.stderr)
+    if "eval" in stages:
+        evaluate_pair(Path(args.dest), args.eval_prompts, 128)
     print(f"done in {(time.time() - t0) / 60:.1f} min", file=sys.stderr)
 
 

@@ -425,7 +425,11 @@ def _run(args) -> int:
     print(f"trained in {(time.perf_counter() - tic) / 60:.1f} min; draft saved to {args.out}", file=sys.stderr)
     if held and args.eval_prompts:
         draft = load_draft(args.out)
-        prompts = [prompt_text(tokenizer, r) for r in held]
+        prompts = [
+            tokenizer.decode(tokenizer.encode(r["text"], add_special_tokens=False)[: max(1, a.seq_len // 4)])
+            if "prompt" not in r and "messages" not in r else prompt_text(tokenizer, r)
+            for r in held
+        ]
         tau = evaluate(model, draft, tokenizer, prompts, a.block_size, args.eval_tokens)
         print(f"tau (mean acceptance length, block {a.block_size}, greedy) on {len(prompts)} "
               f"held-out prompts: {tau:.2f}")

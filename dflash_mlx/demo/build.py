@@ -253,8 +253,13 @@ def copy_pair(work: Path, dest: Path) -> None:
         for f in src.iterdir():
             if f.is_file() and not f.name.startswith("."):
                 shutil.copy2(f, dst / f.name)
-    # The draft ships with float16 weights like the target.
-    w = mx.load(str(dest / "draft" / "model.safetensors"))
+    # The draft ships with float16 weights like the target, rounded from the
+    # exact float32 weights the trainer keeps for --resume when present.
+    state = work / "draft" / "train_state.npz"
+    if state.exists():
+        w = {k[2:]: v for k, v in mx.load(str(state)).items() if k.startswith("w.")}
+    else:
+        w = mx.load(str(dest / "draft" / "model.safetensors"))
     mx.save_safetensors(
         str(dest / "draft" / "model.safetensors"),
         {k: v.astype(mx.float16) for k, v in w.items()},
@@ -354,7 +359,7 @@ def main(argv=None):
                 *(["--minutes", str(args.draft_minutes)] if args.draft_minutes else ["--steps", str(d_steps)]),
                 "--target-layer-ids", ",".join(str(i) for i in range(1, a.num_hidden_layers)),
                 "--regen-batch", "64",
-                "--lr", "1e-3",
+                "--lr", "1.5e-3",
                 "--seed", str(args.seed),
                 "--eval-prompts", "0",
                 "--checkpoint-every", "200",

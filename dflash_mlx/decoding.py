@@ -12,7 +12,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError
 from .loading import check_compatible
-from .rollback import check_rollback, rollback
+from .rollback import rollback
 from .sampling import Sampler, accepted, make_sampler, process
 from .target import Target
 
@@ -225,7 +225,7 @@ class _Decoder:
         self.cache = cache if cache is not None else target.make_cache()
         self.layer_ids = draft.config.target_layer_ids if draft is not None else []
         if draft is not None:
-            check_rollback(self.cache)
+            target.check_rollback(self.cache)
             self.dcache = draft.make_cache()
         self.pending = None  # target features the draft has not seen yet
         self.rounds, self.committed, self.timing = 0, 0, None

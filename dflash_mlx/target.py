@@ -3,8 +3,9 @@ and capture hidden states at chosen layers for one forward pass.
 
 Capture works by swapping entries of this model instance's layer list (and, for
 gated-DeltaNet layers, two of their submodules) for thin recording wrappers,
-only for the duration of one forward call; they are always put back. Nothing is
-changed on mlx-lm classes, so other models in the process are never affected.
+and by handing the model stand-ins for caches that must be replayed, only for
+the duration of one forward call; everything is put back. Nothing is changed
+on mlx-lm classes, so other models in the process are never affected.
 """
 
 import threading
@@ -17,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .errors import UnsupportedModelError
-from .rollback import CacheTape, DeltaTape, trims_exactly
+from .rollback import CacheTape, DeltaTape, check_rollback, trims_exactly
 
 
 class _Tap(nn.Module):
@@ -84,6 +85,13 @@ class Target:
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
+
+    def check_rollback(self, cache: list) -> None:
+        """Raise UnsupportedModelError unless every cache can be rolled back."""
+        check_rollback(cache)
+        for layer, c in zip(self.layers, cache):
+            if isinstance(c, ArraysCache):
+                _gated_delta(layer)
 
     def forward(
         self,

@@ -69,3 +69,18 @@ def test_interrupted_generations_leave_model_usable(arch, loaded, draft_for):
 
     assert dflash_tokens(model, draft, tok, prompt, block_size=8, max_tokens=30)[0] == ref
     assert mlx_tokens(model, tok, prompt, 30) == ref
+
+
+def test_caches_that_cannot_roll_back_are_refused(loaded, draft_for):
+    from mlx_lm.models.cache import CacheList, KVCache
+
+    from dflash_mlx import UnsupportedModelError
+
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    odd = [CacheList(KVCache()) for _ in model.layers]
+    with pytest.raises(UnsupportedModelError, match="CacheList"):
+        next(stream_generate(model, draft, tok, "import os\n", prompt_cache=odd))
+    # plain decoding needs no rollback, and a normal cache still works afterwards
+    ref = mlx_tokens(model, tok, "import os\n", 10)
+    assert dflash_tokens(model, draft, tok, "import os\n", max_tokens=10)[0] == ref

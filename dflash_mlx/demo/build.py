@@ -9,8 +9,14 @@ Stages (each reuses the previous stages' output in --work):
 
 The shipped folders are dflash_mlx/demo/target and dflash_mlx/demo/draft
 (Hugging Face layout, float16 weights) and dflash_mlx/demo/prompts.jsonl.
-The default sizes take about 2.5 h on 2 CPU cores; --fast builds a weaker pair
-in about 40 minutes.
+The default sizes take about 2.5 h on 2 CPU cores (target ~75 min, regeneration
+~10 min, draft ~60 min); --fast builds a weaker pair in about 1.3 h, and
+--target-minutes / --draft-minutes fit either stage into a time budget.
+The shipped pair was made with:
+    python -m dflash_mlx.demo.build --stages tokenizer,target,prompts \
+        --target-minutes 35 --target-batch 8 --target-lr 3e-3
+    python -m dflash_mlx.demo.build --stages draft,install,eval --fast \
+        --regen 2048 --draft-minutes 45
 """
 
 import argparse
@@ -309,14 +315,14 @@ def main(argv=None):
     p.add_argument("--dest", default=str(HERE), help="Where the pair is installed.")
     p.add_argument("--stages", default="tokenizer,target,prompts,draft,install,eval")
     p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--fast", action="store_true", help="A reduced build (~40 min).")
+    p.add_argument("--fast", action="store_true", help="A reduced build (~1.3 h).")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--target-minutes", type=float, default=None,
                    help="Fit target training in this time instead of a step count.")
-    p.add_argument("--target-batch", type=int, default=16)
+    p.add_argument("--target-batch", type=int, default=8)
     p.add_argument("--target-seq", type=int, default=256)
-    p.add_argument("--target-lr", type=float, default=2e-3)
+    p.add_argument("--target-lr", type=float, default=3e-3)
     p.add_argument("--regen", type=int, default=None, help="Regenerated sequences for the draft.")
     p.add_argument("--draft-steps", type=int, default=None)
     p.add_argument("--draft-minutes", type=float, default=None,
@@ -328,9 +334,9 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     fast = args.fast
-    t_steps = args.target_steps or (2000 if fast else 9000)
-    regen = args.regen or (3072 if fast else 6144)
-    d_steps = args.draft_steps or (900 if fast else 4000)
+    t_steps = args.target_steps or (600 if fast else 1500)
+    regen = args.regen or (2048 if fast else 4096)
+    d_steps = args.draft_steps or (700 if fast else 1000)
     a = TargetArgs()
     t0 = time.time()
     if "tokenizer" in stages:

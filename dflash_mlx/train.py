@@ -81,6 +81,7 @@ def _hms(s: float) -> str:
 
 
 STATE = "train_state"
+REGEN = "train_regenerated.jsonl"  # kept for --resume; not part of the draft
 
 
 class TrainError(DFlashError, ValueError):
@@ -406,7 +407,11 @@ def _run(args) -> int:
     else:
         n = min(args.eval_prompts, len(records) // 10)
         held, records = records[len(records) - n :] if n else [], records[: len(records) - n]
-    if args.regenerate:
+    cached = Path(args.out) / REGEN
+    if args.regenerate and args.resume and cached.exists():
+        seqs = [Sequence(**json.loads(l)) for l in cached.read_text().splitlines()]
+        print(f"reusing {len(seqs)} regenerated sequences from {cached}", file=sys.stderr)
+    elif args.regenerate:
         plen = max(1, args.seq_len // 4)
         prompts = regen_prompts(tokenizer, records, args.seq_len, plen)
         if not prompts:
@@ -418,6 +423,8 @@ def _run(args) -> int:
                           lambda done, toks: bar.update(done, toks))
         bar.close()
         print(f"regenerated {len(seqs)} sequences in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text("".join(json.dumps(asdict(q)) + "\n" for q in seqs))
     else:
         seqs = sequences(tokenizer, records, args.seq_len)
     tic = time.perf_counter()

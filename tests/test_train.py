@@ -146,6 +146,10 @@ def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):
     assert main(args + ["--steps", "2", "--eval-data", str(jl), "--eval-prompts", "2",
                         "--eval-tokens", "12", "--regenerate", "--regen-tokens", "8"]) == 0
     assert "held-out prompts:" in capsys.readouterr().out
+    # --resume reuses the regenerated data instead of generating it again.
+    assert (out / "train_regenerated.jsonl").exists()
+    assert main(args + ["--steps", "3", "--resume", "--regenerate", "--eval-prompts", "0"]) == 0
+    assert "reusing" in capsys.readouterr().err
 
 
 def test_data_formats(tiny, tmp_path):

@@ -271,7 +271,7 @@ def copy_pair(work: Path, dest: Path) -> None:
         {k: v.astype(mx.float16) for k, v in w.items()},
         metadata={"format": "mlx"},
     )
-    for f in ("draft/train_state.json", "draft/train_state.npz"):
+    for f in ("draft/train_state.json", "draft/train_state.npz", "draft/train_regenerated.jsonl"):
         (dest / f).unlink(missing_ok=True)
     shutil.copy2(work / "prompts.jsonl", dest / "prompts.jsonl")
 

@@ -8,6 +8,7 @@ import argparse
 import os
 import re
 import sys
+import types
 from pathlib import Path
 from typing import List, Optional
 
@@ -156,6 +157,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module rebinds the package attribute ``dflash_mlx.generate``
+    (the function) to the module; calling it still generates, so both work."""
+
+    def __call__(self, *args, **kwargs):
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 
 if __name__ == "__main__":

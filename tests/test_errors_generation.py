@@ -84,3 +84,15 @@ def test_caches_that_cannot_roll_back_are_refused(loaded, draft_for):
     # plain decoding needs no rollback, and a normal cache still works afterwards
     ref = mlx_tokens(model, tok, "import os\n", 10)
     assert dflash_tokens(model, draft, tok, "import os\n", max_tokens=10)[0] == ref
+
+
+def test_generate_function_survives_cli_import(loaded, draft_for):
+    import importlib
+
+    import dflash_mlx
+
+    importlib.import_module("dflash_mlx.generate")  # rebinds dflash_mlx.generate
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    text = dflash_mlx.generate(model, draft, tok, "import os\n", max_tokens=8)
+    assert text == generate(model, draft, tok, "import os\n", max_tokens=8) != ""

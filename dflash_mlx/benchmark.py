@@ -386,7 +386,8 @@ def format_summary(result: dict) -> str:
         )
     h = s["acceptance_histogram"]
     total = sum(h) or 1
-    lines.append("acceptance lengths: " + " ".join(f"{i + 1}:{100 * n / total:.0f}%" for i, n in enumerate(h) if n))
+    pct = [(i + 1, 100 * n / total) for i, n in enumerate(h) if n]
+    lines.append("acceptance lengths: " + " ".join(f"{k}:{p:.0f}%" if p >= 1 else f"{k}:<1%" for k, p in pct))
     return "\n".join(lines)
 
 

@@ -107,20 +107,6 @@ def _resolve(args):
     return args.model, draft, False
 
 
-def _preload_blas(argv: List[str]) -> None:
-    """On Linux, re-run once with the system OpenBLAS preloaded: MLX-CPU's
-    bundled BLAS is ~30x slower. Skipped when absent or already done."""
-    if sys.platform != "linux" or os.environ.get("DFLASH_NO_REEXEC"):
-        return
-    for lib in ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0"):
-        if os.path.exists(lib):
-            if lib in os.environ.get("LD_PRELOAD", ""):
-                return
-            env = dict(os.environ, DFLASH_NO_REEXEC="1")
-            env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
-            os.execve(sys.executable, [sys.executable, "-m", "dflash_mlx.generate", *argv], env)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -171,5 +157,7 @@ sys.modules[__name__].__class__ = _CallableModule
 
 
 if __name__ == "__main__":
-    _preload_blas(sys.argv[1:])
+    from .blas import preload
+
+    preload("dflash_mlx.generate", sys.argv[1:])
     raise SystemExit(main())

@@ -187,14 +187,17 @@ def test_cli_bad_input_is_one_line(tiny, data, tmp_path, capsys, bad):
 
 @pytest.mark.skipif(not (DEMO / "draft" / "config.json").exists(), reason="demo pair not built")
 def test_demo_pair_is_lossless_and_accepts():
+    """The shipped pair, on the held-out prompts the build evaluates on (8
+    spread over the set, 128 tokens): token-identical to mlx-lm greedy and a
+    mean acceptance well above a broken draft's 1."""
     model, tok = load(str(DEMO / "target"))
     draft = load_draft(str(DEMO / "draft"))
     prompts = [json.loads(l)["prompt"] for l in (DEMO / "prompts.jsonl").read_text().splitlines()]
     rounds = committed = 0
-    for p in prompts[:: max(1, len(prompts) // 3)][:3]:
-        want = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=48)]
+    for p in prompts[:: max(1, len(prompts) // 8)][:8]:
+        want = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=128)]
         got, last = [], None
-        for last in stream_generate(model, draft, tok, p, max_tokens=48):
+        for last in stream_generate(model, draft, tok, p, max_tokens=128):
             got.extend(last.tokens)
         assert got == want
         rounds, committed = rounds + last.rounds, committed + last.committed

@@ -35,7 +35,7 @@ demo: install
 	$(MAKE) --no-print-directory _demo
 
 _demo:
-	$(RUN) -m dflash_mlx.generate
+	$(RUN) -m dflash_mlx.generate --compare
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

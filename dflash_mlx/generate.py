@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None, help="Block size (default: the draft's; 1 = plain decoding).")
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="Then decode the same prompt plainly with mlx-lm and print the speedup "
+        "(greedy: also check that the text is identical).",
+    )
     return p
 
 
@@ -122,7 +128,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             from mlx_lm.sample_utils import make_logits_processors
 
             processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
-        last = None
+        if demo:
+            print(prompt, end="", flush=True)
+        last, text = None, ""
         for last in stream_generate(
             model, draft, tokenizer, prompt,
             block_size=args.block_size, max_tokens=args.max_tokens,
@@ -130,10 +138,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             min_p=args.min_p, seed=args.seed, logits_processors=processors,
         ):
             print(last.text, end="", flush=True)
+            text += last.text
         print()
         if not args.quiet:
             print("=" * 10)
             print_stats(last)
+        if args.compare:
+            return _compare(model, tokenizer, prompt, args, processors, last, text)
         return 0
     except KeyboardInterrupt:
         print("\nerror: interrupted", file=sys.stderr)
@@ -143,6 +154,29 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+
+def _compare(model, tokenizer, prompt, args, processors, last, text) -> int:
+    """Decode plainly with mlx-lm and report the speedup (and, greedy, identity)."""
+    import mlx_lm
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    plain, r = "", None
+    for r in mlx_lm.stream_generate(
+        model, tokenizer, prompt, max_tokens=args.max_tokens,
+        sampler=sampler, logits_processors=processors,
+    ):
+        plain += r.text
+    print(
+        f"Plain mlx-lm decoding: {r.generation_tokens} tokens, "
+        f"{r.generation_tps:.3f} tokens-per-sec; DFlash speedup "
+        f"{last.generation_tps / r.generation_tps:.2f}x"
+    )
+    if args.temp == 0:
+        print(f"Identical output: {'yes' if plain == text else 'NO'}")
+        return 0 if plain == text else 2
+    return 0
 
 
 class _CallableModule(types.ModuleType):

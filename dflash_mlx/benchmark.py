@@ -673,20 +673,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1
 
 
-def _preload_blas(module: str, argv: List[str]) -> None:
-    """On Linux, re-run once with the system OpenBLAS preloaded (MLX-CPU's
-    bundled BLAS is ~30x slower); skipped when absent or already done."""
-    if sys.platform != "linux" or os.environ.get("DFLASH_NO_REEXEC"):
-        return
-    libs = ("/usr/lib/x86_64-linux-gnu/libopenblas.so.0", "/usr/lib/aarch64-linux-gnu/libopenblas.so.0")
-    lib = next((x for x in libs if os.path.exists(x)), None)
-    if lib is None or lib in os.environ.get("LD_PRELOAD", ""):
-        return
-    env = dict(os.environ, DFLASH_NO_REEXEC="1")
-    env["LD_PRELOAD"] = ":".join(filter(None, [lib, env.get("LD_PRELOAD")]))
-    os.execve(sys.executable, [sys.executable, "-m", module, *argv], env)
-
-
 if __name__ == "__main__":
-    _preload_blas("dflash_mlx.benchmark", sys.argv[1:])
+    from .blas import preload
+
+    preload("dflash_mlx.benchmark", sys.argv[1:])
     raise SystemExit(main())

@@ -15,7 +15,7 @@ install: $(VENV)/.installed blas
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $@
 
 # Best effort: Debian/Ubuntu as root. Elsewhere MLX still works, only slower.

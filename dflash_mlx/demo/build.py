@@ -16,7 +16,11 @@ The shipped pair was made with:
     python -m dflash_mlx.demo.build --stages tokenizer,target,prompts \
         --target-minutes 35 --target-batch 8 --target-lr 3e-3
     python -m dflash_mlx.demo.build --stages draft,install,eval --fast \
-        --regen 2048 --draft-minutes 45
+        --regen 2048 --draft-minutes 45     # stopped at step 200, then
+    python -m dflash_mlx.train <the same arguments> --steps 900 --resume
+    python -m dflash_mlx.train <the same arguments> --steps 1100 --resume
+                                            # stopped at step 1000
+    python -m dflash_mlx.demo.build --stages install,eval
 """
 
 import argparse

@@ -117,9 +117,11 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
             raise _hub_error("draft", path_or_repo, e) from None
     config = DFlashConfig.from_file(path / "config.json")
     draft = DFlashDraft(config)
-    files = sorted(glob.glob(str(path / "*.safetensors")))
+    # model.safetensors or shards model-0000x-of-0000y.safetensors; other
+    # safetensors files in the folder (e.g. a trainer's) are not weights.
+    files = sorted(glob.glob(str(path / "model*.safetensors")))
     if not files:
-        raise DraftWeightsError(f"No *.safetensors file in {path}.")
+        raise DraftWeightsError(f"No model*.safetensors file in {path}.")
     weights = {}
     for f in files:
         try:

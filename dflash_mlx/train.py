@@ -444,4 +444,7 @@ def _run(args) -> int:
 
 
 if __name__ == "__main__":
+    from dflash_mlx.blas import preload
+
+    preload("dflash_mlx.train", sys.argv[1:])
     sys.exit(main())

@@ -91,7 +91,7 @@ def test_draft_errors(target_folder, tmp_path, offline):
         load_draft(str(d))
     d = copy(src, tmp_path / "noweights")
     (d / "model.safetensors").unlink()
-    with pytest.raises(DraftWeightsError, match="No \\*.safetensors"):
+    with pytest.raises(DraftWeightsError, match="No model\\*.safetensors"):
         load_draft(str(d))
     d = copy(src, tmp_path / "trunc")
     data = (d / "model.safetensors").read_bytes()

@@ -388,4 +388,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from dflash_mlx.blas import preload
+
+    preload("dflash_mlx.demo.build", sys.argv[1:])
     main()

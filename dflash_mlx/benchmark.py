@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from .errors import run_command
+
 DEMO = Path(__file__).parent / "demo"
 PHASES = ("draft", "verify", "accept", "other")
 MISMATCH_EXIT = 3
@@ -647,30 +649,23 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
 def main(argv: Optional[List[str]] = None) -> int:
     """The command line; returns the exit code."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from .errors import DFlashError
+    return run_command(lambda: _run(args))
 
-    try:
-        result = benchmark(args)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        chart = Path(args.chart) if args.chart else out.with_suffix(".png")
-        note = write_chart(result, chart)
-        print(format_summary(result))
-        print(f"results: {out}" + (f", chart: {chart}" if note is None else f" ({note})"))
-        if not result["ok"]:
-            print(f"error: outputs differ from plain decoding on {len(result['failures'])} prompt(s): "
-                  + ", ".join(result["failures"]), file=sys.stderr)
-            return MISMATCH_EXIT
-        return 0
-    except KeyboardInterrupt:
-        print("\nerror: interrupted", file=sys.stderr)
-        return 130
-    except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
-        if os.environ.get("DFLASH_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+
+def _run(args) -> int:
+    result = benchmark(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    chart = Path(args.chart) if args.chart else out.with_suffix(".png")
+    note = write_chart(result, chart)
+    print(format_summary(result))
+    print(f"results: {out}" + (f", chart: {chart}" if note is None else f" ({note})"))
+    if not result["ok"]:
+        print(f"error: outputs differ from plain decoding on {len(result['failures'])} prompt(s): "
+              + ", ".join(result["failures"]), file=sys.stderr)
+        return MISMATCH_EXIT
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,9 @@
 """Exception types of dflash_mlx: each says what is wrong and what to do."""
 
+import os
+import sys
+from typing import Callable
+
 
 class DFlashError(Exception):
     """Base class of every error dflash_mlx raises on purpose."""
@@ -31,3 +35,18 @@ class UnsupportedModelError(DFlashError, ValueError):
 
 class GenerationArgumentError(DFlashError, ValueError):
     """An argument of stream_generate / generate is out of range."""
+
+
+def run_command(body: Callable[[], int]) -> int:
+    """Run a command-line tool's body: an expected error becomes one line on
+    stderr and exit code 1, Ctrl-C exit code 130 (DFLASH_DEBUG=1 re-raises)."""
+    try:
+        return body()
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        return 130
+    except (DFlashError, ValueError, OSError) as e:
+        if os.environ.get("DFLASH_DEBUG"):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 1

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from .decoding import GenerationResponse, generate, print_stats, stream_generate
+from .errors import run_command
 
 DEMO = Path(__file__).parent / "demo"
 DEMO_PROMPT = "def binary_search(items, target):\n"
@@ -116,44 +117,39 @@ def _resolve(args):
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    from . import DFlashError, load, load_draft
+    return run_command(lambda: _run(args))
 
-    try:
-        model_path, draft_path, demo = _resolve(args)
-        model, tokenizer = load(model_path)
-        draft = None if args.block_size == 1 else load_draft(draft_path)
-        prompt = _prompt(args, tokenizer, demo)
-        processors = None
-        if args.repetition_penalty:
-            from mlx_lm.sample_utils import make_logits_processors
 
-            processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
-        if demo:
-            print(prompt, end="", flush=True)
-        last, text = None, ""
-        for last in stream_generate(
-            model, draft, tokenizer, prompt,
-            block_size=args.block_size, max_tokens=args.max_tokens,
-            temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-            min_p=args.min_p, seed=args.seed, logits_processors=processors,
-        ):
-            print(last.text, end="", flush=True)
-            text += last.text
-        print()
-        if not args.quiet:
-            print("=" * 10)
-            print_stats(last)
-        if args.compare:
-            return _compare(model, tokenizer, prompt, args, processors, last, text)
-        return 0
-    except KeyboardInterrupt:
-        print("\nerror: interrupted", file=sys.stderr)
-        return 130
-    except (DFlashError, ValueError, FileNotFoundError, OSError) as e:
-        if os.environ.get("DFLASH_DEBUG"):
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def _run(args) -> int:
+    from .loading import load, load_draft
+
+    model_path, draft_path, demo = _resolve(args)
+    model, tokenizer = load(model_path)
+    draft = None if args.block_size == 1 else load_draft(draft_path)
+    prompt = _prompt(args, tokenizer, demo)
+    processors = None
+    if args.repetition_penalty:
+        from mlx_lm.sample_utils import make_logits_processors
+
+        processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
+    if demo:
+        print(prompt, end="", flush=True)
+    last, text = None, ""
+    for last in stream_generate(
+        model, draft, tokenizer, prompt,
+        block_size=args.block_size, max_tokens=args.max_tokens,
+        temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, logits_processors=processors,
+    ):
+        print(last.text, end="", flush=True)
+        text += last.text
+    print()
+    if not args.quiet:
+        print("=" * 10)
+        print_stats(last)
+    if args.compare:
+        return _compare(model, tokenizer, prompt, args, processors, last, text)
+    return 0
 
 
 def _compare(model, tokenizer, prompt, args, processors, last, text) -> int:

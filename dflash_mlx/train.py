@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import DFlashConfig, default_layer_ids
 from .data import DataError, Sequence, read_records, regen_prompts, regenerate, sequences
 from .draft import DFlashDraft
-from .errors import DFlashError
+from .errors import DFlashError, run_command
 from .loading import load, load_draft, save_draft
 from .target import Target
 
@@ -370,14 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except (DFlashError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted", file=sys.stderr)
-        return 1
+    return run_command(lambda: _run(args))
 
 
 def _run(args) -> int:

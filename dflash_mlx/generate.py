@@ -5,7 +5,6 @@ functions are re-exported here for `from dflash_mlx.generate import ...`.
 """
 
 import argparse
-import os
 import re
 import sys
 import types

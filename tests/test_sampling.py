@@ -1,13 +1,11 @@
 """At temperature > 0 the output follows the target's own sampling law."""
 
-import itertools
 from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_top_k, make_logits_processors
 
-from dflash_mlx import stream_generate
 from dflash_mlx.sampling import accepted, make_sampler
 from util import dflash_tokens, mlx_tokens, runs
 

@@ -25,12 +25,11 @@ The shipped pair was made with:
 
 import argparse
 import json
-import math
 import random
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List
 

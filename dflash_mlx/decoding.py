@@ -173,7 +173,9 @@ def stream_generate(
 
     with wired_limit(model, [generation_stream]):
         tic = time.perf_counter()
-        with mx.stream(generation_stream):
+        # The model's lock covers whole steps, evaluation included: MLX does
+        # not make concurrent evaluation of one model's graphs safe.
+        with target.lock, mx.stream(generation_stream):
             tokens = dec.prefill(ids, prefill_step_size)
         prompt_tps = len(ids) / (time.perf_counter() - tic)
         tic = time.perf_counter()
@@ -212,7 +214,7 @@ def stream_generate(
             )
             if finish:
                 return
-            with mx.stream(generation_stream):
+            with target.lock, mx.stream(generation_stream):
                 tokens = dec.round(history, min(bs, max_tokens - n))
 
 

@@ -158,10 +158,11 @@ def target_config(a: TargetArgs, n_tok: int) -> dict:
 
 
 def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr: float,
-                 seed: int, minutes: float = None):
+                 seed: int, minutes: float = None, resume: bool = False):
     """Next-token training of the target on random windows of the stream.
     With ``minutes`` the step count is set from a timed trial step so that
-    training fits the budget."""
+    training fits the budget; with ``resume`` training continues from the
+    saved target (a fresh schedule; pass another seed for other windows)."""
     from mlx_lm.models import qwen3
 
     from ..train import Progress, make_schedule
@@ -176,6 +177,8 @@ def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    if resume:
+        model.load_weights(str(out / "model.safetensors"))
     model.set_dtype(mx.float32)
 
     def loss_fn(m, x, y):
@@ -326,6 +329,8 @@ def main(argv=None):
     p.add_argument("--target-batch", type=int, default=8)
     p.add_argument("--target-seq", type=int, default=256)
     p.add_argument("--target-lr", type=float, default=3e-3)
+    p.add_argument("--target-resume", action="store_true",
+                   help="Continue training the target in --work instead of starting afresh.")
     p.add_argument("--regen", type=int, default=None, help="Regenerated sequences for the draft.")
     p.add_argument("--draft-steps", type=int, default=None)
     p.add_argument("--draft-minutes", type=float, default=None,
@@ -347,7 +352,7 @@ def main(argv=None):
         print(f"tokenizer: {n} tokens", file=sys.stderr)
     if "target" in stages:
         train_target(work, a, t_steps, args.target_batch, args.target_seq, args.target_lr, args.seed,
-                     args.target_minutes)
+                     args.target_minutes, args.target_resume)
     if "prompts" in stages:
         build_prompts(work)
     if "draft" in stages:

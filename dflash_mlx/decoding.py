@@ -13,7 +13,7 @@ from .draft import DFlashDraft
 from .errors import GenerationArgumentError
 from .loading import check_compatible
 from .rollback import rollback
-from .sampling import Sampler, accepted, make_sampler, process
+from .sampling import Sampler, accepted, greedy, make_sampler, process
 from .target import Target
 
 
@@ -165,6 +165,7 @@ def stream_generate(
         logits_processors,
         prompt_cache,
         profile,
+        greedy=sampler is None and temperature == 0,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -221,9 +222,10 @@ def stream_generate(
 class _Decoder:
     """The target, the draft and their caches for one generation."""
 
-    def __init__(self, target, draft, sampler, processors, cache, profile):
+    def __init__(self, target, draft, sampler, processors, cache, profile, greedy=False):
         self.target, self.draft = target, draft
         self.sampler, self.processors, self.profile = sampler, processors, profile
+        self.fast = greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
         self.layer_ids = draft.config.target_layer_ids if draft is not None else []
         if draft is not None:
@@ -256,17 +258,14 @@ class _Decoder:
             logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, t.head, length)
             proposal = mx.argmax(logits, axis=-1).astype(anchor.dtype)
             block = mx.concatenate([anchor, proposal])
+            mx.async_eval(block)  # drafting runs while the verify graph is built
             clock.lap("draft", proposal)
         else:
             block = anchor
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        seen = mx.array(history[:-1]) if self.processors else None
-        choice = self.sampler(process(logits, seen, block, self.processors))
-        a = accepted(proposal, choice) if drafting else mx.array(0)
-        out = mx.concatenate([choice.astype(mx.int32), a.reshape(1).astype(mx.int32)]).tolist()
-        a = out[-1]
+        out, a = self._choose(logits, history, block, proposal if drafting else None)
         rollback(self.cache, tape, a + 1, block.shape[0])
         if drafting:
             self.pending = f[:, : a + 1]
@@ -277,6 +276,22 @@ class _Decoder:
         self.rounds += 1
         self.committed += a + 1
         return out[: a + 1]
+
+    def _choose(self, logits, history, block, proposal, exact=False):
+        """The target's tokens for the block (then the acceptance count, as a
+        list) and how many drafts they accept."""
+        seen = mx.array(history[:-1]) if self.processors else None
+        fast = self.fast and not exact and logits.dtype == mx.float32
+        if fast:
+            choice, unsure = greedy(logits)
+        else:
+            choice = self.sampler(process(logits, seen, block, self.processors))
+        a = accepted(proposal, choice) if proposal is not None else mx.array(0)
+        tail = [a.reshape(1).astype(mx.int32)] + ([unsure.reshape(1).astype(mx.int32)] if fast else [])
+        out = mx.concatenate([choice.astype(mx.int32)] + tail).tolist()
+        if fast and out[-1]:  # rare: redo this block exactly
+            return self._choose(logits, history, block, proposal, exact=True)
+        return out, out[block.shape[0]]
 
 
 class _Clock:

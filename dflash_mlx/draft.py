@@ -45,36 +45,39 @@ class Attention(nn.Module):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = q.transpose(0, 2, 1, 3)
+        if cache is None:
+            return self._train(q, x, ctx, anchors)
+        # Context and block K/V in one projection, stored together; the block's
+        # entries are dropped again once attended (only context is cached).
+        pos = cache.offset + ctx.shape[1]
+        k, v = self._kv(mx.concatenate([ctx, x], axis=1))
+        keys, values = cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+        cache.trim(L)
+        mask = None
+        if self.window is not None:
+            # Block queries reach back at most window-1 context positions.
+            n = min(keys.shape[2] - L, max(self.window - 1, 1))
+            keys, values = keys[:, :, -(n + L) :], values[:, :, -(n + L) :]
+            qpos = mx.arange(pos, pos + L)
+            mask = _block_mask(qpos[None], mx.arange(pos - n, pos), None, self.window, L)
+        return self._attend(self.rope(q, offset=pos), keys, values, mask)
+
+    def _train(self, q, x, ctx, anchors):
+        """ctx is the whole sequence; x holds one block per anchor."""
         kb, vb = self._kv(x)
         kc, vc = self._kv(ctx)
-        mask = None
-        if cache is not None:
-            kc = self.rope(kc, offset=cache.offset)
-            if kc.shape[2]:
-                kc, vc = cache.update_and_fetch(kc, vc)
-            else:
-                kc, vc = cache.keys_and_values()
-            pos = cache.offset
-            if self.window is not None:
-                # Block queries reach back at most window-1 positions.
-                kc = kc[:, :, -max(self.window - 1, 1) :]
-                vc = vc[:, :, -max(self.window - 1, 1) :]
-                kpos = mx.arange(pos - kc.shape[2], pos)
-                qpos = mx.arange(pos, pos + L)
-                mask = _block_mask(qpos[None], kpos, None, self.window, L)
-        else:
-            # Training: ctx is the whole sequence, x holds one block per anchor.
-            S = kc.shape[2]
-            n = B // kc.shape[0]
-            kc = mx.repeat(self.rope(kc), n, axis=0)
-            vc = mx.repeat(vc, n, axis=0)
-            pos = anchors
-            qpos = anchors[:, None] + mx.arange(L)
-            mask = _block_mask(qpos, mx.arange(S), anchors, self.window, L)
-        q = self.rope(q, offset=pos)
-        kb = self.rope(kb, offset=pos)
-        keys = mx.concatenate([kc, kb], axis=2)
+        S = kc.shape[2]
+        n = x.shape[0] // kc.shape[0]
+        kc = mx.repeat(self.rope(kc), n, axis=0)
+        vc = mx.repeat(vc, n, axis=0)
+        qpos = anchors[:, None] + mx.arange(x.shape[1])
+        mask = _block_mask(qpos, mx.arange(S), anchors, self.window, x.shape[1])
+        keys = mx.concatenate([kc, self.rope(kb, offset=anchors)], axis=2)
         values = mx.concatenate([vc, vb], axis=2)
+        return self._attend(self.rope(q, offset=anchors), keys, values, mask)
+
+    def _attend(self, q, keys, values, mask):
+        B, _, L, _ = q.shape
         out = mx.fast.scaled_dot_product_attention(
             q, keys, values, scale=self.scale, mask=mask
         )

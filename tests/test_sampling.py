@@ -88,3 +88,40 @@ def test_acceptance_rule():
     assert greedy(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
     s = make_sampler(1.0, top_k=1, seed=0)
     assert all(s(mx.array([[0.1, 2.0, 0.3]])).item() == 1 for _ in range(20))
+
+
+def near_tie_logits(rows=3, vocab=4096):
+    """Flat rows whose top two logits differ by one float32 step at 0.01: after
+    mlx-lm's log-softmax (values near -8.3) they round to the same number, so
+    greedy picks the first index there, while a bare argmax picks the second."""
+    x = np.zeros((rows, vocab), dtype=np.float32)
+    x[:, 5] = np.float32(0.01)
+    x[:, 9] = np.nextafter(np.float32(0.01), np.float32(1))
+    return mx.array(x)
+
+
+def test_greedy_fast_path_agrees_with_exact_path():
+    from dflash_mlx.sampling import greedy, process
+
+    exact = make_sampler(0.0)
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        logits = mx.array(rng.standard_normal((16, 4160), dtype=np.float32) * 4)
+        choice, unsure = greedy(logits)
+        assert not unsure.item()
+        assert choice.tolist() == exact(process(logits, None, None, None)).tolist()
+    logits = near_tie_logits()
+    assert exact(process(logits, None, None, None)).tolist() == [5, 5, 5]
+    assert mx.argmax(logits, axis=-1).tolist() == [9, 9, 9]
+    assert greedy(logits)[1].item(), "the near-tie was not flagged"
+
+
+def test_round_redoes_near_ties_exactly(loaded):
+    from dflash_mlx.decoding import _Decoder
+    from dflash_mlx.target import Target
+
+    model, _, _ = loaded("qwen3")
+    dec = _Decoder(Target(model), None, make_sampler(0.0), None, None, False, greedy=True)
+    out, a = dec._choose(near_tie_logits(), [1, 2], mx.array([2, 5, 7]), mx.array([5, 7]))
+    # A bare argmax would choose 9 everywhere and accept nothing.
+    assert out[:3] == [5, 5, 5] and a == 1

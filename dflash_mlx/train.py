@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -106,6 +106,7 @@ class TrainArgs:
     gamma: Optional[float] = None
     seed: int = 0
     checkpoint_every: int = 500
+    init: Optional[str] = None  # start from this draft's weights (fine-tuning)
 
 
 def default_gamma(block_size: int) -> float:
@@ -236,9 +237,16 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         raise TrainError("--block-size must be at least 2.")
     target = Target(model)
     model.freeze()
+    src = load_draft(a.init) if a.init else None
+    if src is not None and a.mask_token_id is None:
+        a = replace(a, mask_token_id=src.config.mask_token_id)
     cfg = draft_config(model, tokenizer, a)
     mx.random.seed(a.seed)
     draft = DFlashDraft(cfg)
+    if src is not None:
+        _check_init(src.config, cfg, a.init)
+        draft.update(src.parameters())
+        draft.set_dtype(mx.float32)
     mx.eval(draft.parameters())
     gamma = a.gamma or default_gamma(a.block_size)
     weights = mx.exp(-mx.arange(a.block_size - 1, dtype=mx.float32) / gamma)
@@ -291,6 +299,17 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     bar.close()
     _save(draft, opt, outp, steps)
     return draft
+
+
+def _check_init(have: DFlashConfig, want: DFlashConfig, path: str) -> None:
+    fields = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
+    bad = [f for f in fields if getattr(have, f) != getattr(want, f)]
+    if len(have.target_layer_ids) != len(want.target_layer_ids):
+        bad.append("number of target layers")
+    if bad:
+        raise TrainError(f"--init draft '{path}' differs from the draft being trained in "
+                         f"{', '.join(bad)}; match it with --depth / --target-layer-ids.")
 
 
 def _save(draft, opt, out: Path, step: int) -> None:
@@ -360,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regen-tokens", type=int, default=None, help="Tokens generated per prompt (default: fill --seq-len).")
     p.add_argument("--regen-batch", type=int, default=32)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init", default=None, help="Start from this draft's weights (folder or hub id): fine-tuning.")
     p.add_argument("--checkpoint-every", type=int, default=500)
     p.add_argument("--eval-prompts", type=int, default=8, help="Held-out records for the final tau (0: skip).")
     p.add_argument("--eval-data", default=None, help="Evaluate on these records instead (e.g. prompts.jsonl).")
@@ -389,7 +409,7 @@ def _run(args) -> int:
         block_size=args.block_size, depth=args.depth, target_layer_ids=ids,
         mask_token_id=args.mask_token_id, seq_len=args.seq_len, anchors=args.anchors,
         batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, minutes=args.minutes, lr=args.lr,
-        gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every,
+        gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every, init=args.init,
     )
     records = read_records(args.data)
     if not Path(args.model).expanduser().exists() and args.model.count("/") != 1:

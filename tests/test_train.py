@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.config import DFlashConfig
@@ -126,6 +127,27 @@ def test_loss_falls_and_saved_draft_is_lossless(tiny, data, tmp_path):
         got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=40)
                for t in r.tokens]
         assert got == want, bs
+
+
+def test_init_starts_from_a_draft(tiny, data, tmp_path, capsys):
+    """--init fine-tunes an existing draft: its weights are the starting point
+    (lr 0 keeps them), and a draft of another shape is refused in one line."""
+    folder, model, tok = tiny
+    seqs = sequences(tok, read_records(str(data)), 48)
+    a = TrainArgs(block_size=8, depth=2, seq_len=48, anchors=4, batch_size=2, steps=2, lr=3e-3,
+                  checkpoint_every=0)
+    src = train(model, tok, seqs, str(tmp_path / "src"), a)
+    tuned = train(model, tok, seqs, str(tmp_path / "tuned"),
+                  TrainArgs(**{**a.__dict__, "lr": 0.0, "seed": 9, "init": str(tmp_path / "src")}))
+    want = dict(tree_flatten(src.parameters()))
+    for k, v in tree_flatten(tuned.parameters()):
+        assert mx.allclose(v, want[k].astype(mx.float32), atol=1e-2).item(), k
+    args = ["--model", str(folder), "--data", str(data), "--out", str(tmp_path / "o"), "--depth", "1",
+            "--block-size", "8", "--seq-len", "48", "--steps", "1", "--init", str(tmp_path / "src")]
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --init draft") and "num_hidden_layers" in err and "\n" not in err
 
 
 def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):

@@ -232,8 +232,9 @@ def build_prompts(work: Path, n_per_file: int = 4, lines: int = 12) -> Path:
 
 
 def snippets(work: Path, n: int, prompt_tokens: int, seed: int) -> Path:
-    """Regeneration prompts: ``prompt_tokens``-token windows of training files,
-    starting at line starts (as decoding prompts do)."""
+    """Regeneration prompts from training files, shaped like the held-out ones:
+    the last ``prompt_tokens`` tokens of a few lines ending with a ``def`` line
+    (half of them) or with any line."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
@@ -241,13 +242,15 @@ def snippets(work: Path, n: int, prompt_tokens: int, seed: int) -> Path:
     files = stdlib_files()
     out = []
     while len(out) < n:
-        text = read(rng.choice(files))
-        starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
-        s = rng.choice(starts)
-        ids = tok.encode(text[s:]).ids
+        lines = read(rng.choice(files)).splitlines(keepends=True)
+        ends = range(len(lines))
+        if len(out) % 2 == 0:
+            ends = [i for i in ends if lines[i].lstrip().startswith("def ")] or ends
+        i = rng.choice(ends)
+        ids = tok.encode("".join(lines[max(0, i - 24) : i + 1])).ids
         if len(ids) < prompt_tokens:
             continue
-        out.append({"prompt": tok.decode(ids[:prompt_tokens])})
+        out.append({"prompt": tok.decode(ids[-prompt_tokens:])})
     path = work / "regen.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in out))
     return path
@@ -336,6 +339,8 @@ def main(argv=None):
     p.add_argument("--draft-minutes", type=float, default=None,
                    help="Fit draft training in this time instead of a step count.")
     p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-init", default=None,
+                   help="Fine-tune this draft (e.g. an earlier build's) instead of starting afresh.")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     work = Path(args.work)
@@ -377,6 +382,7 @@ def main(argv=None):
                 "--seed", str(args.seed),
                 "--eval-prompts", "0",
                 "--checkpoint-every", "200",
+                *(["--init", args.draft_init] if args.draft_init else []),
             ]
         )
         if code:

@@ -37,13 +37,15 @@ def data(tmp_path_factory):
     return d
 
 
-def _draft(model, bs=4, layers=2, seed=3):
+def _draft(model, bs=4, layers=2, seed=3, window=None):
     t = Target(model)
     cfg = DFlashConfig(
         hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=t.vocab_rows,
         mask_token_id=t.vocab_rows - 16, target_layer_ids=[1, 3], num_target_layers=t.num_layers,
         rope_theta=10000.0, block_size=bs,
+        layer_types=["sliding_attention", "full_attention"][:layers] if window else None,
+        sliding_window=window,
     )
     mx.random.seed(seed)
     d = DFlashDraft(cfg)
@@ -51,12 +53,14 @@ def _draft(model, bs=4, layers=2, seed=3):
     return d
 
 
-def test_training_path_matches_decoding_path(tiny):
+@pytest.mark.parametrize("window", [None, 6])
+def test_training_path_matches_decoding_path(tiny, window):
     """Logits of many anchors at once (training) == draft.propose after the
-    same context went through the cache (decoding), block by block."""
+    same context went through the cache (decoding), block by block; also for
+    a draft with a sliding-window layer (window 6 < most anchors)."""
     _, model, _ = tiny
     t, bs = Target(model), 4
-    draft = _draft(model, bs)
+    draft = _draft(model, bs, window=window)
     rng = np.random.default_rng(0)
     toks = mx.array(rng.integers(0, 300, size=(2, 24)), dtype=mx.int32)
     _, feats = t.hidden(toks, draft.config.target_layer_ids)
@@ -75,9 +79,18 @@ def test_training_path_matches_decoding_path(tiny):
             np.testing.assert_allclose(np.array(got[b * 3 + j]), np.array(want), atol=2e-4, rtol=1e-4)
 
 
-def test_features_match_decoding_capture(tiny):
-    """Batched feature extraction equals the per-token capture of decoding."""
-    _, model, _ = tiny
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    folder = make_target(tmp_path_factory.mktemp("hybrid"), "qwen3_5", layers=4, tied=True)
+    model, tok = load(str(folder))
+    return folder, model, tok
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_features_match_decoding_capture(tiny, hybrid, arch):
+    """Batched feature extraction equals the per-token capture of decoding,
+    also through gated-DeltaNet layers."""
+    _, model, _ = tiny if arch == "qwen3" else hybrid
     t = Target(model)
     toks = mx.array([[5, 9, 31, 7, 2, 44, 18]])
     logits, f = t.hidden(toks, [0, 2])
@@ -125,6 +138,26 @@ def test_loss_falls_and_saved_draft_is_lossless(tiny, data, tmp_path):
     want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=40)]
     for bs in (1, 4, 16):
         got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=40)
+               for t in r.tokens]
+        assert got == want, bs
+
+
+def test_trains_for_a_hybrid_target(hybrid, data, tmp_path):
+    """A Qwen3.5-style (gated-DeltaNet) target: the loss falls and the draft
+    decodes token-identically to mlx-lm."""
+    folder, model, tok = hybrid
+    seqs = regenerate(model, regen_prompts(tok, read_records(str(data)), 48, 12), 36,
+                      set(tok.eos_token_ids), batch=16)
+    losses = []
+    a = TrainArgs(block_size=8, depth=2, seq_len=48, anchors=8, batch_size=4, steps=40,
+                  lr=3e-3, checkpoint_every=0)
+    train(model, tok, seqs, str(tmp_path / "d"), a, on_step=lambda s, l, acc, tau: losses.append(l))
+    assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:5])
+    draft = load_draft(str(tmp_path / "d"))
+    prompt = "class Walker:\n"
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=30)]
+    for bs in (1, 8):
+        got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=30)
                for t in r.tokens]
         assert got == want, bs
 

@@ -243,6 +243,8 @@ def snippets(work: Path, n: int, prompt_tokens: int, seed: int) -> Path:
     out = []
     while len(out) < n:
         lines = read(rng.choice(files)).splitlines(keepends=True)
+        if not lines:
+            continue
         ends = range(len(lines))
         if len(out) % 2 == 0:
             ends = [i for i in ends if lines[i].lstrip().startswith("def ")] or ends
@@ -348,8 +350,8 @@ def main(argv=None):
     stages = args.stages.split(",")
     fast = args.fast
     t_steps = args.target_steps or (600 if fast else 1500)
-    regen = args.regen or (2048 if fast else 4096)
-    d_steps = args.draft_steps or (700 if fast else 1000)
+    regen = args.regen or (2048 if fast else 3072)
+    d_steps = args.draft_steps or (400 if fast else 650)
     a = TargetArgs()
     t0 = time.time()
     if "tokenizer" in stages:

@@ -48,6 +48,7 @@ class Progress:
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.last = 0.0
+        self.shown = -1  # the last 1/50th of the run written to a non-terminal
 
     def update(self, step: int, tokens: int, text: str = "", force: bool = False):
         self.tokens += tokens
@@ -65,7 +66,8 @@ class Progress:
         tty = getattr(self.out, "isatty", lambda: False)()
         if tty:
             self.out.write(line + "\x1b[K")
-        elif force or step == self.total or done % max(1, self.total // 50) == 0:
+        elif force or step == self.total or done * 50 // max(self.total - self.start, 1) > self.shown:
+            self.shown = done * 50 // max(self.total - self.start, 1)
             self.out.write(line[1:] + "\n")
         self.out.flush()
 

@@ -257,3 +257,19 @@ def test_demo_pair_is_lossless_and_accepts():
         assert got == want
         rounds, committed = rounds + last.rounds, committed + last.committed
     assert committed / rounds > 2
+
+
+def test_progress_lines_when_steps_skip():
+    """Written to a file, the bar reports about every 1/50th of the run, also
+    when updates jump by more than one step (regeneration reports per batch)."""
+    import io
+
+    from dflash_mlx.train import Progress
+
+    out = io.StringIO()
+    bar = Progress(3072, "regenerate", out=out)
+    for done in range(64, 3073, 64):
+        bar.last = 0.0  # as if the 0.5 s throttle had passed
+        bar.update(done, 64)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 40 and lines[-1].startswith("regenerate 3072/3072")

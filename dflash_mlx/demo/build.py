@@ -9,17 +9,21 @@ Stages (each reuses the previous stages' output in --work):
 
 The shipped folders are dflash_mlx/demo/target and dflash_mlx/demo/draft
 (Hugging Face layout, float16 weights) and dflash_mlx/demo/prompts.jsonl.
-The default sizes take about 2.5 h on 2 CPU cores (target ~75 min, regeneration
-~10 min, draft ~60 min); --fast builds a weaker pair in about 1.3 h, and
---target-minutes / --draft-minutes fit either stage into a time budget.
-The shipped pair was made with:
+The default sizes take about 2.3 h on 2 CPU cores (target 1500 steps ~76 min,
+regeneration of 3072 sequences ~8 min, draft 650 steps ~48 min); --fast builds a
+weaker pair in about 1.1 h, and --target-minutes / --draft-minutes fit either stage
+into a time budget.
+The shipped pair was made in stages (1526 target steps and 1548 draft steps in all):
     python -m dflash_mlx.demo.build --stages tokenizer,target,prompts \
-        --target-minutes 35 --target-batch 8 --target-lr 3e-3
-    python -m dflash_mlx.demo.build --stages draft,install,eval --fast \
-        --regen 2048 --draft-minutes 45     # stopped at step 200, then
-    python -m dflash_mlx.train <the same arguments> --steps 900 --resume
-    python -m dflash_mlx.train <the same arguments> --steps 1100 --resume
-                                            # stopped at step 1000
+        --target-minutes 35 --target-batch 8 --target-lr 3e-3      # 601 steps
+    python -m dflash_mlx.demo.build --stages draft --fast --regen 2048 \
+        --draft-minutes 45      # draft v1: 1000 steps (stopped and resumed with
+                                # python -m dflash_mlx.train ... --resume), on
+                                # 64-token windows of training files
+    python -m dflash_mlx.demo.build --stages target --target-resume \
+        --target-minutes 60 --target-lr 2e-3 --seed 1               # +925 steps
+    python -m dflash_mlx.demo.build --stages draft --regen 3072 \
+        --draft-minutes 40 --draft-init <draft v1> --seed 1         # +548 steps
     python -m dflash_mlx.demo.build --stages install,eval
 """
 
@@ -326,7 +330,7 @@ def main(argv=None):
     p.add_argument("--dest", default=str(HERE), help="Where the pair is installed.")
     p.add_argument("--stages", default="tokenizer,target,prompts,draft,install,eval")
     p.add_argument("--eval-prompts", type=int, default=8)
-    p.add_argument("--fast", action="store_true", help="A reduced build (~1.3 h).")
+    p.add_argument("--fast", action="store_true", help="A reduced build (~1.1 h).")
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=None)
     p.add_argument("--target-minutes", type=float, default=None,

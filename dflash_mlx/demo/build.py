@@ -345,6 +345,7 @@ def main(argv=None):
     p.add_argument("--draft-minutes", type=float, default=None,
                    help="Fit draft training in this time instead of a step count.")
     p.add_argument("--draft-layers", type=int, default=2)
+    p.add_argument("--draft-lr", type=float, default=1.5e-3)
     p.add_argument("--draft-init", default=None,
                    help="Fine-tune this draft (e.g. an earlier build's) instead of starting afresh.")
     p.add_argument("--seed", type=int, default=0)
@@ -384,7 +385,7 @@ def main(argv=None):
                 *(["--minutes", str(args.draft_minutes)] if args.draft_minutes else ["--steps", str(d_steps)]),
                 "--target-layer-ids", ",".join(str(i) for i in range(1, a.num_hidden_layers)),
                 "--regen-batch", "64",
-                "--lr", "1.5e-3",
+                "--lr", str(args.draft_lr),
                 "--seed", str(args.seed),
                 "--eval-prompts", "0",
                 "--checkpoint-every", "200",

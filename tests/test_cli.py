@@ -79,6 +79,9 @@ def test_ctrl_c_ends_cleanly(target_folder, tmp_path):
         [sys.executable, "-m", "dflash_mlx.generate", "--model", str(folder), "--draft", str(draft),
          "--prompt", "hi", "--max-tokens", "100000", "--block-size", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        # A suite started in the background (`cmd &` in a script) inherits an
+        # ignored SIGINT, and so would the CLI; give it a terminal's default.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     p.stdout.read(1)  # generation has started
     time.sleep(0.5)

@@ -277,18 +277,17 @@ class _Decoder:
         return out[: a + 1]
 
     def _choose(self, logits, history, block, proposal, exact=False):
-        """The target's tokens for the block (then the acceptance count, as a
-        list) and how many drafts they accept."""
-        seen = mx.array(history[:-1]) if self.processors else None
-        fast = self.fast and not exact and logits.dtype == mx.float32
-        if fast:
+        """The target's tokens for the block (then the acceptance count and the
+        fast path's doubt flag, as a list) and how many drafts they accept."""
+        if self.fast and not exact and logits.dtype == mx.float32:
             choice, unsure = greedy(logits)
         else:
-            choice = self.sampler(process(logits, seen, block, self.processors))
+            seen = mx.array(history[:-1]) if self.processors else None
+            choice, unsure = self.sampler(process(logits, seen, block, self.processors)), mx.array(False)
         a = accepted(proposal, choice) if proposal is not None else mx.array(0)
-        tail = [a.reshape(1).astype(mx.int32)] + ([unsure.reshape(1).astype(mx.int32)] if fast else [])
-        out = mx.concatenate([choice.astype(mx.int32)] + tail).tolist()
-        if fast and out[-1]:  # rare: redo this block exactly
+        tail = mx.stack([a, unsure]).astype(mx.int32)
+        out = mx.concatenate([choice.astype(mx.int32), tail]).tolist()
+        if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         return out, out[block.shape[0]]
 

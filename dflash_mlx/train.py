@@ -64,10 +64,11 @@ class Progress:
             f"{self.tokens / dt:,.0f} tok/s | ETA {_hms(eta)}"
         )
         tty = getattr(self.out, "isatty", lambda: False)()
+        fiftieth = done * 50 // max(self.total - self.start, 1)
         if tty:
             self.out.write(line + "\x1b[K")
-        elif force or step == self.total or done * 50 // max(self.total - self.start, 1) > self.shown:
-            self.shown = done * 50 // max(self.total - self.start, 1)
+        elif force or step == self.total or fiftieth > self.shown:
+            self.shown = fiftieth
             self.out.write(line[1:] + "\n")
         self.out.flush()
 

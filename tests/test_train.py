@@ -2,6 +2,7 @@
 falls, and what it saves decodes losslessly. Also guards the shipped demo pair."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -171,7 +172,7 @@ def test_init_starts_from_a_draft(tiny, data, tmp_path, capsys):
                   checkpoint_every=0)
     src = train(model, tok, seqs, str(tmp_path / "src"), a)
     tuned = train(model, tok, seqs, str(tmp_path / "tuned"),
-                  TrainArgs(**{**a.__dict__, "lr": 0.0, "seed": 9, "init": str(tmp_path / "src")}))
+                  replace(a, lr=0.0, seed=9, init=str(tmp_path / "src")))
     want = dict(tree_flatten(src.parameters()))
     for k, v in tree_flatten(tuned.parameters()):
         assert mx.allclose(v, want[k].astype(mx.float32), atol=1e-2).item(), k

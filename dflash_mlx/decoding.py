@@ -255,8 +255,11 @@ class _Decoder:
         drafting = self.draft is not None and length > 1
         if drafting:
             t = self.target
-            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, t.head, length)
-            proposal = mx.argmax(logits, axis=-1).astype(anchor.dtype)
+            # The draft always fills the block it was trained on: a shorter
+            # block (the last rounds, or a smaller block_size) attends to fewer
+            # mask positions and guesses worse; only length - 1 drafts are verified.
+            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, t.head, self.draft.block_size)
+            proposal = mx.argmax(logits[: length - 1], axis=-1).astype(anchor.dtype)
             block = mx.concatenate([anchor, proposal])
             clock.lap("draft", proposal)
         else:

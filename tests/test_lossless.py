@@ -68,3 +68,16 @@ def test_max_tokens_and_eos_edges(loaded, draft_for):
         inside |= len(last.tokens) < last.accepted
         bonus |= len(last.tokens) == last.accepted > 1
     assert inside and bonus
+
+
+def test_draft_fills_its_trained_block(loaded, draft_for):
+    """Short rounds (a smaller block_size, the last tokens before max_tokens)
+    verify a prefix of the draft's full trained block: with fewer mask
+    positions to attend to than in training, a draft guesses worse."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    sizes, propose = [], draft.propose
+    draft.propose = lambda *a: sizes.append(a[-1]) or propose(*a)
+    out, _ = dflash_tokens(model, draft, tok, PROMPTS[0], block_size=4, max_tokens=10)
+    assert out == mlx_tokens(model, tok, PROMPTS[0], 10)
+    assert sizes and set(sizes) == {draft.block_size} and draft.block_size > 4

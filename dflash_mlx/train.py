@@ -110,6 +110,7 @@ class TrainArgs:
     seed: int = 0
     checkpoint_every: int = 500
     init: Optional[str] = None  # start from this draft's weights (fine-tuning)
+    decode_anchors: bool = False  # train on the blocks decoding would start next
 
 
 def default_gamma(block_size: int) -> float:
@@ -171,10 +172,12 @@ def draft_config(model, tokenizer, a: TrainArgs) -> DFlashConfig:
     )
 
 
-def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng):
+def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, anchors=None):
     """Token matrix [B, S], blocks [B*nA, bs], anchors [B*nA], labels and
-    validity [B*nA, bs-1]: block j of sequence b is row b*nA + j."""
+    validity [B*nA, bs-1]: block j of sequence b is row b*nA + j. Anchors are
+    drawn at random unless given ([B, nA])."""
     bs, nA = a.block_size, a.anchors
+    given = anchors
     S = max(len(s.tokens[: a.seq_len]) for s in seqs)
     toks = np.full((len(seqs), S + bs), pad, dtype=np.int32)
     anchors = np.zeros((len(seqs), nA), dtype=np.int32)
@@ -184,7 +187,7 @@ def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng):
         toks[b, : len(t)] = t
         lo, hi = max(0, min(s.start, len(t) - 1) - 1), len(t) - 2
         span = hi - lo + 1
-        pick = rng.choice(span, size=nA, replace=span < nA) + lo
+        pick = rng.choice(span, size=nA, replace=span < nA) + lo if given is None else given[b]
         anchors[b] = pick
         k = np.arange(1, bs)
         valid[b] = pick[:, None] + k[None] < len(t)
@@ -218,6 +221,20 @@ def loss_fn(draft, target, features, blocks, anchors, labels, valid, weights):
     acc = hit.sum(0) / mx.maximum(valid.sum(0), 1)
     tau = 1 + mx.cumprod(hit.astype(mx.float32), axis=1).sum(1).mean()
     return loss, (acc, tau)
+
+
+def next_anchors(draft, target, features, blocks, anchors, labels, valid, seqs, a: TrainArgs):
+    """Where decoding would start the block after each anchor block: just past
+    its accepted drafts, at the bonus token ([B, nA]; a block whose successor
+    would leave its sequence keeps its anchor). Decoding only ever starts
+    blocks there, right after a miss, and those are harder than random
+    anchors in the middle of easy runs."""
+    logits = block_logits(draft, target, features, blocks, anchors)
+    hit = (mx.argmax(logits, axis=-1) == labels) & valid
+    new = anchors + 1 + mx.cumprod(hit.astype(mx.int32), axis=1).sum(1)
+    new, old = np.array(new).reshape(len(seqs), -1), np.array(anchors).reshape(len(seqs), -1)
+    last = np.array([len(s.tokens[: a.seq_len]) - 2 for s in seqs])[:, None]
+    return np.where(new <= last, new, old)
 
 
 def _features(target: Target, toks, layer_ids):
@@ -258,10 +275,14 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
     if a.minutes and not a.steps:
         rng = np.random.default_rng(a.seed)
-        toks, blocks, anchors, labels, valid = make_batch(seqs[: a.batch_size], a, pad, cfg.mask_token_id, rng)
+        batch = seqs[: a.batch_size]
+        toks, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng)
         for _ in range(2):  # the first call pays one-time costs
             tic = time.perf_counter()
-            mx.eval(grad(draft, target, _features(target, toks, cfg.target_layer_ids), blocks, anchors, labels, valid, weights))
+            feats = _features(target, toks, cfg.target_layer_ids)
+            if a.decode_anchors:
+                next_anchors(draft, target, feats, blocks, anchors, labels, valid, batch, a)
+            mx.eval(grad(draft, target, feats, blocks, anchors, labels, valid, weights))
         steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
         print(f"{steps} steps fit in {a.minutes:g} min", file=log)
     opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
@@ -272,8 +293,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         step = _load_state(draft, opt, outp)
         print(f"resuming at step {step}/{steps}", file=log)
 
-    def step_fn(toks, blocks, anchors, labels, valid):
-        feats = _features(target, toks, cfg.target_layer_ids)
+    def step_fn(feats, blocks, anchors, labels, valid):
         (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
         g, _ = optim.clip_grad_norm(g, 1.0)
         opt.update(draft, g)
@@ -289,7 +309,11 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         batch = [seqs[i] for i in order[pos : pos + a.batch_size]]
         pos += a.batch_size
         toks, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng)
-        loss, acc, tau = step_fn(toks, blocks, anchors, labels, valid)
+        feats = _features(target, toks, cfg.target_layer_ids)
+        if a.decode_anchors:
+            moved = next_anchors(draft, target, feats, blocks, anchors, labels, valid, batch, a)
+            _, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved)
+        loss, acc, tau = step_fn(feats, blocks, anchors, labels, valid)
         mx.eval(draft.parameters(), opt.state, loss, acc, tau)
         if on_step is not None:
             on_step(step + 1, loss.item(), acc.tolist(), tau.item())
@@ -378,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--gamma", type=float, default=None, help="Loss decay over offsets (default: by block size).")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-anchors", action="store_true",
+                   help="Move each random anchor to where decoding would start the next block "
+                        "(one extra forward pass per step).")
     p.add_argument("--regenerate", action="store_true", help="Train on the target's own greedy continuations.")
     p.add_argument("--regen-tokens", type=int, default=None, help="Tokens generated per prompt (default: fill --seq-len).")
     p.add_argument("--regen-batch", type=int, default=32)
@@ -413,6 +440,7 @@ def _run(args) -> int:
         mask_token_id=args.mask_token_id, seq_len=args.seq_len, anchors=args.anchors,
         batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, minutes=args.minutes, lr=args.lr,
         gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every, init=args.init,
+        decode_anchors=args.decode_anchors,
     )
     records = read_records(args.data)
     if not Path(args.model).expanduser().exists() and args.model.count("/") != 1:

@@ -16,7 +16,7 @@ from dflash_mlx.config import DFlashConfig
 from dflash_mlx.data import Sequence, read_records, regen_prompts, regenerate, sequences
 from dflash_mlx.draft import DFlashDraft
 from dflash_mlx.target import Target
-from dflash_mlx.train import TrainArgs, block_logits, main, make_batch, train
+from dflash_mlx.train import TrainArgs, block_logits, main, make_batch, next_anchors, train
 
 from tiny import corpus_files, make_target
 
@@ -120,6 +120,29 @@ def test_batch_anchors_stay_in_range(tiny):
                 assert labels[r, k] == anchors[r] + k + 2
 
 
+def test_next_anchors_are_where_decoding_goes_next():
+    """--decode-anchors: moving a block's anchor past its accepted guesses
+    (training path) lands where decoding started its next round."""
+    model, tok = load(str(DEMO / "target"))
+    draft = load_draft(str(DEMO / "draft"))
+    prompt = json.loads((DEMO / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
+    ids, gen, starts = tok.encode(prompt), [], []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=96):
+        starts.append(len(ids) + len(gen) + len(r.tokens) - 1)
+        gen += r.tokens
+    full = ids + gen
+    seqs = [Sequence(full, len(ids))]
+    a = TrainArgs(block_size=draft.block_size, anchors=len(starts) - 1, seq_len=len(full))
+    given = np.array([starts[:-1]])
+    toks, blocks, anchors, labels, valid = make_batch(seqs, a, 0, draft.config.mask_token_id, None, given)
+    _, feats = Target(model).hidden(toks, draft.config.target_layer_ids)
+    moved = next_anchors(draft, Target(model), feats, blocks, anchors, labels, valid, seqs, a)[0]
+    inside = np.array(starts[1:]) <= len(full) - 2
+    assert inside.sum() > 10 and len(set(np.diff(starts))) > 3
+    assert (moved[inside] == np.array(starts[1:])[inside]).all()
+    assert (moved[~inside] == given[0][~inside]).all()
+
+
 def test_loss_falls_and_saved_draft_is_lossless(tiny, data, tmp_path):
     folder, model, tok = tiny
     seqs = regenerate(model, regen_prompts(tok, read_records(str(data)), 64, 16), 48,
@@ -192,6 +215,9 @@ def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):
             "--eval-prompts", "0", "--checkpoint-every", "2"]
     assert main(args + ["--steps", "3"]) == 0
     assert json.loads((out / "train_state.json").read_text())["step"] == 3
+    moved = tmp_path / "moved"
+    assert main(args + ["--out", str(moved), "--minutes", "0.03", "--decode-anchors"]) == 0
+    assert json.loads((moved / "train_state.json").read_text())["step"] >= 1
     assert main(args + ["--steps", "5", "--resume"]) == 0
     assert json.loads((out / "train_state.json").read_text())["step"] == 5
     cfg = json.loads((out / "config.json").read_text())

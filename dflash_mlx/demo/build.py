@@ -346,6 +346,8 @@ def main(argv=None):
                    help="Fit draft training in this time instead of a step count.")
     p.add_argument("--draft-layers", type=int, default=2)
     p.add_argument("--draft-lr", type=float, default=1.5e-3)
+    p.add_argument("--decode-anchors", action="store_true",
+                   help="Train the draft on the blocks decoding would start (see dflash_mlx.train).")
     p.add_argument("--draft-init", default=None,
                    help="Fine-tune this draft (e.g. an earlier build's) instead of starting afresh.")
     p.add_argument("--seed", type=int, default=0)
@@ -390,6 +392,7 @@ def main(argv=None):
                 "--eval-prompts", "0",
                 "--checkpoint-every", "200",
                 *(["--init", args.draft_init] if args.draft_init else []),
+                *(["--decode-anchors"] if args.decode_anchors else []),
             ]
         )
         if code:

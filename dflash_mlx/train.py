@@ -267,6 +267,10 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         _check_init(src.config, cfg, a.init)
         draft.update(src.parameters())
         draft.set_dtype(mx.float32)
+        state = Path(a.init) / f"{STATE}.npz"
+        if state.exists():  # a draft of ours: its exact float32 weights, not the bf16 copy
+            w = {k[2:]: v for k, v in mx.load(str(state)).items() if k.startswith("w.")}
+            draft.update(tree_unflatten(list(w.items())))
     mx.eval(draft.parameters())
     gamma = a.gamma or default_gamma(a.block_size)
     weights = mx.exp(-mx.arange(a.block_size - 1, dtype=mx.float32) / gamma)

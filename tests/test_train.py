@@ -188,7 +188,8 @@ def test_trains_for_a_hybrid_target(hybrid, data, tmp_path):
 
 def test_init_starts_from_a_draft(tiny, data, tmp_path, capsys):
     """--init fine-tunes an existing draft: its weights are the starting point
-    (lr 0 keeps them), and a draft of another shape is refused in one line."""
+    (lr 0 keeps them; exactly, from the float32 side file of a draft trained
+    here), and a draft of another shape is refused in one line."""
     folder, model, tok = tiny
     seqs = sequences(tok, read_records(str(data)), 48)
     a = TrainArgs(block_size=8, depth=2, seq_len=48, anchors=4, batch_size=2, steps=2, lr=3e-3,
@@ -198,7 +199,12 @@ def test_init_starts_from_a_draft(tiny, data, tmp_path, capsys):
                   replace(a, lr=0.0, seed=9, init=str(tmp_path / "src")))
     want = dict(tree_flatten(src.parameters()))
     for k, v in tree_flatten(tuned.parameters()):
-        assert mx.allclose(v, want[k].astype(mx.float32), atol=1e-2).item(), k
+        assert mx.array_equal(v, want[k]).item(), k
+    for f in (tmp_path / "src").glob("train_state.*"):
+        f.unlink()  # a published draft: bfloat16 weights only
+    tuned = train(model, tok, seqs, str(tmp_path / "tuned"), replace(a, lr=0.0, init=str(tmp_path / "src")))
+    for k, v in tree_flatten(tuned.parameters()):
+        assert v.dtype == mx.float32 and mx.allclose(v, want[k], atol=1e-2).item(), k
     args = ["--model", str(folder), "--data", str(data), "--out", str(tmp_path / "o"), "--depth", "1",
             "--block-size", "8", "--seq-len", "48", "--steps", "1", "--init", str(tmp_path / "src")]
     capsys.readouterr()

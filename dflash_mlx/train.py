@@ -172,12 +172,11 @@ def draft_config(model, tokenizer, a: TrainArgs) -> DFlashConfig:
     )
 
 
-def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, anchors=None):
+def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, given=None):
     """Token matrix [B, S], blocks [B*nA, bs], anchors [B*nA], labels and
     validity [B*nA, bs-1]: block j of sequence b is row b*nA + j. Anchors are
     drawn at random unless given ([B, nA])."""
     bs, nA = a.block_size, a.anchors
-    given = anchors
     S = max(len(s.tokens[: a.seq_len]) for s in seqs)
     toks = np.full((len(seqs), S + bs), pad, dtype=np.int32)
     anchors = np.zeros((len(seqs), nA), dtype=np.int32)
@@ -267,9 +266,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         _check_init(src.config, cfg, a.init)
         draft.update(src.parameters())
         draft.set_dtype(mx.float32)
-        state = Path(a.init) / f"{STATE}.npz"
-        if state.exists():  # a draft of ours: its exact float32 weights, not the bf16 copy
-            w = {k[2:]: v for k, v in mx.load(str(state)).items() if k.startswith("w.")}
+        w = float32_weights(Path(a.init))
+        if w is not None:  # a draft of ours: its exact weights, not the bf16 copy
             draft.update(tree_unflatten(list(w.items())))
     mx.eval(draft.parameters())
     gamma = a.gamma or default_gamma(a.block_size)
@@ -277,16 +275,21 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     grad = nn.value_and_grad(draft, loss_fn)
     steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
+
+    def inputs(batch, rng):
+        """Features, blocks, anchors, labels and validity of one step."""
+        toks, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng)
+        feats = _features(target, toks, cfg.target_layer_ids)
+        if a.decode_anchors:
+            moved = next_anchors(draft, target, feats, *blocks, batch, a)
+            _, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved)
+        return (feats, *blocks)
+
     if a.minutes and not a.steps:
         rng = np.random.default_rng(a.seed)
-        batch = seqs[: a.batch_size]
-        toks, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng)
         for _ in range(2):  # the first call pays one-time costs
             tic = time.perf_counter()
-            feats = _features(target, toks, cfg.target_layer_ids)
-            if a.decode_anchors:
-                next_anchors(draft, target, feats, blocks, anchors, labels, valid, batch, a)
-            mx.eval(grad(draft, target, feats, blocks, anchors, labels, valid, weights))
+            mx.eval(grad(draft, target, *inputs(seqs[: a.batch_size], rng), weights))
         steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
         print(f"{steps} steps fit in {a.minutes:g} min", file=log)
     opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
@@ -312,11 +315,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
             order, pos = rng.permutation(len(seqs)), 0
         batch = [seqs[i] for i in order[pos : pos + a.batch_size]]
         pos += a.batch_size
-        toks, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng)
-        feats = _features(target, toks, cfg.target_layer_ids)
-        if a.decode_anchors:
-            moved = next_anchors(draft, target, feats, blocks, anchors, labels, valid, batch, a)
-            _, blocks, anchors, labels, valid = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved)
+        feats, blocks, anchors, labels, valid = inputs(batch, rng)
         loss, acc, tau = step_fn(feats, blocks, anchors, labels, valid)
         mx.eval(draft.parameters(), opt.state, loss, acc, tau)
         if on_step is not None:
@@ -324,7 +323,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         accs = acc.tolist()
         shown = " ".join(f"@{k}:{accs[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(accs))
-        bar.update(step + 1, int(blocks.size + toks.size), f"loss {ema:.3f} acc {shown} tau~{tau.item():.2f}")
+        bar.update(step + 1, blocks.size + feats.shape[0] * feats.shape[1], f"loss {ema:.3f} acc {shown} tau~{tau.item():.2f}")
         if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0 and step + 1 < steps:
             _save(draft, opt, outp, step + 1)
     bar.close()
@@ -356,14 +355,24 @@ def _save(draft, opt, out: Path, step: int) -> None:
     (out / f"{STATE}.json").write_text(json.dumps({"step": step}) + "\n")
 
 
+def _weights(arrays: Dict) -> Dict[str, mx.array]:
+    return {k[2:]: v for k, v in arrays.items() if k.startswith("w.")}
+
+
+def float32_weights(folder: Path) -> Optional[Dict[str, mx.array]]:
+    """The exact float32 weights of a draft trained here (from the side file
+    kept for --resume), or None for a folder without one."""
+    f = folder / f"{STATE}.npz"
+    return _weights(mx.load(str(f))) if f.exists() else None
+
+
 def _load_state(draft, opt, out: Path) -> int:
     try:
         step = json.loads((out / f"{STATE}.json").read_text())["step"]
         arrays = mx.load(str(out / f"{STATE}.npz"))
     except (FileNotFoundError, ValueError, KeyError):
         raise TrainError(f"Nothing to resume in '{out}' (no {STATE}.json / .npz).") from None
-    w = [(k[2:], v) for k, v in arrays.items() if k.startswith("w.")]
-    draft.update(tree_unflatten(w))
+    draft.update(tree_unflatten(list(_weights(arrays).items())))
     o = dict(tree_flatten(opt.state))
     o.update({k[2:]: v for k, v in arrays.items() if k.startswith("o.")})
     opt.state = tree_unflatten(list(o.items()))

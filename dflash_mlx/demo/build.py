@@ -273,6 +273,8 @@ def copy_pair(work: Path, dest: Path) -> None:
     """Copy the built target, draft and prompts into the package folder."""
     import shutil
 
+    from ..train import float32_weights
+
     for name in ("target", "draft"):
         src, dst = work / name, dest / name
         if dst.exists():
@@ -283,10 +285,8 @@ def copy_pair(work: Path, dest: Path) -> None:
                 shutil.copy2(f, dst / f.name)
     # The draft ships with float16 weights like the target, rounded from the
     # exact float32 weights the trainer keeps for --resume when present.
-    state = work / "draft" / "train_state.npz"
-    if state.exists():
-        w = {k[2:]: v for k, v in mx.load(str(state)).items() if k.startswith("w.")}
-    else:
+    w = float32_weights(work / "draft")
+    if w is None:
         w = mx.load(str(dest / "draft" / "model.safetensors"))
     mx.save_safetensors(
         str(dest / "draft" / "model.safetensors"),

@@ -73,11 +73,26 @@ def _load_error(e: Exception, path: Optional[Path], repo: str) -> Exception:
     )
 
 
+def model_folder(name: str):
+    """The folder or hub id that ``name`` stands for: a named model and a
+    .gguf file become their converted folder; anything else is unchanged."""
+    from . import registry
+    from .gguf import converted
+
+    if registry.is_named(name):
+        return registry.resolve(name)
+    if str(name).lower().endswith(".gguf"):
+        return converted(name)
+    return name
+
+
 def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module, object]:
     """Load a target model and its tokenizer with ``mlx_lm.load``.
 
     Args:
-        path_or_repo: A local Hugging Face folder or a hub repo id.
+        path_or_repo: A local Hugging Face folder, a hub repo id, a ``.gguf``
+            file (converted once into a cached folder, see :mod:`dflash_mlx.gguf`)
+            or a short name such as ``smollm2`` (see :mod:`dflash_mlx.registry`).
         dtype: Cast floating weights to this type. Default: float32 on the CPU
             (half-precision matmuls are slow there), unchanged on the GPU.
 
@@ -86,6 +101,7 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module
     """
     import mlx_lm
 
+    path_or_repo = str(model_folder(path_or_repo))
     path = _local(path_or_repo, "Model")
     if path is not None and not (path / "config.json").exists():
         raise ModelNotFoundError(f"No config.json in {path}; is it a model folder?")

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import mlx.core as mx
 
 from .errors import DFlashError
 
@@ -155,42 +154,33 @@ def regen_prompts(tokenizer, records: List[Dict], seq_len: int, prompt_len: int)
 
 
 def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch: int = 32,
-               progress=None) -> List[Sequence]:
-    """The target's greedy continuation of each prompt, as Sequences whose
-    targets are the generated tokens. Prompts of equal length run as one batch."""
-    from mlx_lm.models.cache import make_prompt_cache
+               progress=None, on_sequence=None) -> List[Sequence]:
+    """The target's greedy continuation of each prompt (up to ``max_tokens``
+    tokens, an ending EOS kept), as Sequences whose targets are the generated
+    tokens. mlx-lm's continuous batching runs ``batch`` prompts at a time;
+    ``on_sequence(i, seq)`` is called as each one finishes."""
+    from mlx_lm.generate import BatchGenerator
 
-    groups: Dict[int, List[int]] = {}
-    for i, p in enumerate(prompts):
-        groups.setdefault(len(p), []).append(i)
+    gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)],
+                         completion_batch_size=batch, prefill_batch_size=min(batch, 16))
     out: List[Optional[Sequence]] = [None] * len(prompts)
-    done = 0
-    eos_arr = mx.array(sorted(eos)) if eos else None
-    for _, idx in sorted(groups.items()):
-        for b in range(0, len(idx), batch):
-            rows = idx[b : b + batch]
-            x = mx.array([prompts[i] for i in rows])
-            cache = make_prompt_cache(model)
-            logits = model(x, cache=cache)
-            gen, stopped = [], mx.zeros((len(rows),), dtype=mx.bool_)
-            for _ in range(max_tokens):
-                tok = mx.argmax(logits[:, -1], axis=-1)
-                gen.append(tok)
-                if eos_arr is not None:
-                    stopped = stopped | (tok[:, None] == eos_arr[None]).any(-1)
-                if len(gen) % 16 == 0 and stopped.all().item():
-                    break
-                logits = model(tok[:, None], cache=cache)
-                mx.eval(logits, stopped)
-            gen = mx.stack(gen, axis=1).tolist()
-            for i, g in zip(rows, gen):
-                for k, t in enumerate(g):
-                    if t in eos:
-                        g = g[: k + 1]
-                        break
-                p = prompts[i]
-                out[i] = Sequence(p + g, max(1, len(p)))
-            done += len(rows)
-            if progress is not None:
-                progress(done, len(rows) * max_tokens)
+    try:
+        uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
+        index = {u: i for i, u in enumerate(uids)}
+        made: Dict[int, List[int]] = {u: [] for u in uids}
+        done = 0
+        while responses := gen.next_generated():
+            for r in responses:
+                made[r.uid].append(r.token)
+                if r.finish_reason is None:
+                    continue
+                i = index[r.uid]
+                out[i] = Sequence(list(prompts[i]) + made.pop(r.uid), max(1, len(prompts[i])))
+                done += 1
+                if on_sequence is not None:
+                    on_sequence(i, out[i])
+                if progress is not None:
+                    progress(done, len(out[i].tokens) - out[i].start)
+    finally:
+        gen.close()
     return out

@@ -128,10 +128,25 @@ def mask_token(model, tokenizer, given: Optional[int]) -> int:
     n = len(tokenizer._tokenizer) if hasattr(tokenizer, "_tokenizer") else len(tokenizer)
     if n < rows:
         return n
+    spare = unused_special(tokenizer)
+    if spare is not None and spare < rows:
+        return spare
     raise TrainError(
         f"The target's embedding table ({rows} rows) has no spare row beyond the "
         f"tokenizer's {n} tokens; pass --mask-token-id with an unused token id."
     )
+
+
+def unused_special(tokenizer) -> Optional[int]:
+    """The last special token that is neither bos/eos/pad/unk nor in the chat
+    template (e.g. SmolLM2's ``<empty_output>``), or None."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", {}) or {}
+    template = getattr(hf, "chat_template", None) or ""
+    used = {getattr(hf, f"{k}_token", None) for k in ("bos", "eos", "pad", "unk")}
+    free = [i for i, t in added.items()
+            if getattr(t, "special", False) and str(t) not in used and str(t) not in template]
+    return max(free) if free else None
 
 
 def _model_args(model) -> Dict:
@@ -394,6 +409,55 @@ def evaluate(model, draft, tokenizer, prompts: List[str], block_size: int, max_t
     return committed / max(rounds, 1)
 
 
+def _validate(model, tokenizer, a: TrainArgs) -> None:
+    """Refuse options that do not fit the target before any long work."""
+    src = load_draft(a.init).config if a.init else None
+    if src is not None and a.mask_token_id is None:
+        a = replace(a, mask_token_id=src.mask_token_id)
+    cfg = draft_config(model, tokenizer, a)
+    if src is not None:
+        _check_init(src, cfg, a.init)
+
+
+def _regenerated(model, tokenizer, records, args) -> List[Sequence]:
+    """The target's answers to the data's prompts. Answers already in the
+    output folder (from an earlier, perhaps failed, run) are reused; new ones
+    are appended there as they finish, so an interrupted run loses none."""
+    plen = max(1, args.seq_len // 4)
+    prompts = regen_prompts(tokenizer, records, args.seq_len, plen)
+    if not prompts:
+        raise DataError(f"No prompts to regenerate from in '{args.data}'.")
+    cached = Path(args.out) / REGEN
+    have = {}
+    if cached.exists():
+        for line in cached.read_text().splitlines():
+            try:
+                q = Sequence(**json.loads(line))
+            except (ValueError, TypeError):
+                continue  # a line cut short by an interrupted run
+            have[tuple(q.tokens[: q.start])] = q
+    todo = list({tuple(p): p for p in prompts if tuple(p) not in have}.values())
+    if have:
+        print(f"reusing {len(prompts) - len(todo)} regenerated sequences from {cached}", file=sys.stderr)
+    if todo:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        n_new = args.regen_tokens or max(1, args.seq_len - plen)
+        bar = Progress(len(todo), "regenerate")
+        tic = time.perf_counter()
+        with open(cached, "a") as f:
+
+            def keep(i, q):
+                have[tuple(todo[i])] = q
+                f.write(json.dumps(asdict(q)) + "\n")
+                f.flush()
+
+            regenerate(model, todo, n_new, set(tokenizer.eos_token_ids), args.regen_batch,
+                       lambda done, toks: bar.update(done, toks), keep)
+        bar.close()
+        print(f"regenerated {len(todo)} sequences in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
+    return [have[tuple(p)] for p in prompts]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_mlx.train",
@@ -421,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regenerate", action="store_true", help="Train on the target's own greedy continuations.")
     p.add_argument("--regen-tokens", type=int, default=None, help="Tokens generated per prompt (default: fill --seq-len).")
     p.add_argument("--regen-batch", type=int, default=32)
+    p.add_argument("--prepare-only", action="store_true",
+                   help="Regenerate the training data (kept in --out) and stop, without training.")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--init", default=None, help="Start from this draft's weights (folder or hub id): fine-tuning.")
     p.add_argument("--checkpoint-every", type=int, default=500)
@@ -456,34 +522,20 @@ def _run(args) -> int:
         decode_anchors=args.decode_anchors,
     )
     records = read_records(args.data)
-    if not Path(args.model).expanduser().exists() and args.model.count("/") != 1:
-        raise TrainError(f"Model '{args.model}' is neither a local folder nor a hub repo id.")
     model, tokenizer = load(args.model)
     if args.eval_data:
         held = read_records(args.eval_data)[: args.eval_prompts or None]
     else:
         n = min(args.eval_prompts, len(records) // 10)
         held, records = records[len(records) - n :] if n else [], records[: len(records) - n]
-    cached = Path(args.out) / REGEN
-    if args.regenerate and args.resume and cached.exists():
-        seqs = [Sequence(**json.loads(l)) for l in cached.read_text().splitlines()]
-        print(f"reusing {len(seqs)} regenerated sequences from {cached}", file=sys.stderr)
-    elif args.regenerate:
-        plen = max(1, args.seq_len // 4)
-        prompts = regen_prompts(tokenizer, records, args.seq_len, plen)
-        if not prompts:
-            raise DataError(f"No prompts to regenerate from in '{args.data}'.")
-        n_new = args.regen_tokens or max(1, args.seq_len - plen)
-        bar = Progress(len(prompts), "regenerate")
-        tic = time.perf_counter()
-        seqs = regenerate(model, prompts, n_new, set(tokenizer.eos_token_ids), args.regen_batch,
-                          lambda done, toks: bar.update(done, toks))
-        bar.close()
-        print(f"regenerated {len(seqs)} sequences in {time.perf_counter() - tic:.0f} s", file=sys.stderr)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text("".join(json.dumps(asdict(q)) + "\n" for q in seqs))
+    _validate(model, tokenizer, a)
+    if args.regenerate:
+        seqs = _regenerated(model, tokenizer, records, args)
     else:
         seqs = sequences(tokenizer, records, args.seq_len)
+    if args.prepare_only:
+        print(f"{len(seqs)} training sequences ready", file=sys.stderr)
+        return 0
     tic = time.perf_counter()
     train(model, tokenizer, seqs, args.out, a, resume=args.resume)
     print(f"trained in {(time.perf_counter() - tic) / 60:.1f} min; draft saved to {args.out}", file=sys.stderr)

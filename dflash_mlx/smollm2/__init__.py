@@ -1,0 +1,1 @@
+"""The real SmolLM2-135M-Instruct pair: its draft, training prompts and held-out set."""

@@ -56,6 +56,7 @@ class DFlashConfig:
     attention_bias: bool = False
     layer_types: Optional[List[str]] = None
     sliding_window: Optional[int] = None
+    draft_vocab: Optional[List[int]] = None  # the target token ids the draft proposes from
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -110,6 +111,16 @@ class DFlashConfig:
                 f"non-negative integers, got {ids!r}."
             )
         args["target_layer_ids"] = list(ids)
+        vocab = dc.get("draft_vocab")
+        if vocab is not None:
+            V = args["vocab_size"]
+            if not isinstance(vocab, list) or not vocab or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in vocab
+            ) or len(set(vocab)) != len(vocab):
+                raise DraftConfigError(
+                    f"config.json: dflash_config.draft_vocab must list distinct token ids below {V}."
+                )
+            args["draft_vocab"] = vocab
         args["num_target_layers"] = T if T is not None else max(ids) + 1
 
         if args.get("block_size", 16) < 1:
@@ -176,6 +187,8 @@ class DFlashConfig:
                 "target_layer_ids": self.target_layer_ids,
             },
         )
+        if self.draft_vocab is not None:
+            d["dflash_config"]["draft_vocab"] = self.draft_vocab
         if self.layer_types is not None:
             d["layer_types"] = self.layer_types
             d["sliding_window"] = self.sliding_window

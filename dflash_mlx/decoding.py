@@ -231,6 +231,10 @@ class _Decoder:
         if draft is not None:
             target.check_rollback(self.cache)
             self.dcache = draft.make_cache()
+            # A draft with its own (smaller) vocabulary proposes from those rows only.
+            vocab = draft.config.draft_vocab
+            self.vocab = mx.array(vocab) if vocab else None
+            self.head = target.head_over(self.vocab) if vocab else target.head
         self.pending = None  # target features the draft has not seen yet
         self.rounds, self.committed, self.timing = 0, 0, None
 
@@ -258,8 +262,11 @@ class _Decoder:
             # The draft always fills the block it was trained on: a shorter
             # block (the last rounds, or a smaller block_size) attends to fewer
             # mask positions and guesses worse; only length - 1 drafts are verified.
-            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, t.head, self.draft.block_size)
-            proposal = mx.argmax(logits[: length - 1], axis=-1).astype(anchor.dtype)
+            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, self.head, self.draft.block_size)
+            proposal = mx.argmax(logits[: length - 1], axis=-1)
+            if self.vocab is not None:
+                proposal = self.vocab[proposal]
+            proposal = proposal.astype(anchor.dtype)
             block = mx.concatenate([anchor, proposal])
             clock.lap("draft", proposal)
         else:

@@ -20,6 +20,7 @@ import numpy as np
 from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 
 ARCHS = ("llama", "qwen2", "qwen3")
+VERSION = 2  # of the conversion; part of the cached folder's name
 
 # Hugging Face names of the per-block tensors, by GGUF name.
 BLOCK = {
@@ -72,7 +73,7 @@ def converted(path: str, root: Optional[Path] = None) -> Path:
     if not src.is_file():
         raise ModelNotFoundError(f"GGUF file '{path}' does not exist.")
     root = root or cache_root()
-    out = root / "gguf" / f"{src.stem}-{file_digest(src)[:16]}"
+    out = root / "gguf" / f"{src.stem}-{file_digest(src)[:16]}-v{VERSION}"
     if (out / "config.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +185,9 @@ def _dequantize(w, scales, biases):
     bits = w.shape[-1] * 32 // (scales.shape[-1] * group)
     if bits not in (2, 3, 4, 5, 6, 8):
         raise UnsupportedModelError(f"A GGUF tensor with {bits}-bit groups cannot be read.")
-    return mx.dequantize(w, scales, biases, group_size=group, bits=bits)
+    # Scales arrive as float16; dequantize in float32 as llama.cpp does.
+    f32 = lambda a: a.astype(mx.float32) if a is not None else None
+    return mx.dequantize(w, f32(scales), f32(biases), group_size=group, bits=bits)
 
 
 def _unpermute(w: mx.array, head_dim: int) -> mx.array:

@@ -69,6 +69,7 @@ class Target:
         self.embed = self.inner.embed_tokens
         lm_head = getattr(outer, "lm_head", None)
         self.head = lm_head if lm_head is not None else self.embed.as_linear
+        self._head_rows = lm_head if lm_head is not None else self.embed
         self.lock = _lock_for(model)
 
     @property
@@ -82,6 +83,22 @@ class Target:
     @property
     def vocab_rows(self) -> int:
         return self.embed.weight.shape[0]
+
+    def head_over(self, ids: mx.array):
+        """The LM head restricted to the vocabulary rows ``ids``: a function
+        from hidden states [..., H] to logits [..., len(ids)]."""
+        m = self._head_rows
+        w = m.weight[ids]
+        if not hasattr(m, "scales"):
+            bias = getattr(m, "bias", None)
+            bias = bias[ids] if bias is not None and m is not self.embed else None
+            return lambda h: (h @ w.T + bias) if bias is not None else h @ w.T
+        scales = m.scales[ids]
+        biases = m.biases[ids] if getattr(m, "biases", None) is not None else None
+        mode = getattr(m, "mode", "affine")
+        return lambda h: mx.quantized_matmul(
+            h, w, scales, biases, transpose=True, group_size=m.group_size, bits=m.bits, mode=mode
+        )
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)

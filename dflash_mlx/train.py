@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .config import DFlashConfig, default_layer_ids
 from .data import DataError, Sequence, read_records, regen_prompts, regenerate, sequences
 from .draft import DFlashDraft
+from .features import FeatureStore
 from .errors import DFlashError, run_command
 from .loading import load, load_draft, save_draft
 from .target import Target
@@ -111,6 +112,8 @@ class TrainArgs:
     checkpoint_every: int = 500
     init: Optional[str] = None  # start from this draft's weights (fine-tuning)
     decode_anchors: bool = False  # train on the blocks decoding would start next
+    draft_vocab: int = 0  # propose from the K most frequent target tokens (0: all)
+    cache_features: bool = True  # target features computed once, kept in the output folder
 
 
 def default_gamma(block_size: int) -> float:
@@ -187,10 +190,12 @@ def draft_config(model, tokenizer, a: TrainArgs) -> DFlashConfig:
     )
 
 
-def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, given=None):
+def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, given=None, lookup=None):
     """Token matrix [B, S], blocks [B*nA, bs], anchors [B*nA], labels and
     validity [B*nA, bs-1]: block j of sequence b is row b*nA + j. Anchors are
-    drawn at random unless given ([B, nA])."""
+    drawn at random unless given ([B, nA]). With ``lookup`` (token id -> row
+    of the draft's vocabulary, or -1) labels are draft-vocabulary rows and
+    tokens outside it are not trained on."""
     bs, nA = a.block_size, a.anchors
     S = max(len(s.tokens[: a.seq_len]) for s in seqs)
     toks = np.full((len(seqs), S + bs), pad, dtype=np.int32)
@@ -208,6 +213,10 @@ def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, 
     idx = anchors[..., None] + np.arange(bs)
     blocks = np.take_along_axis(toks[:, None, :], idx, axis=2)  # [B, nA, bs]
     labels = blocks[..., 1:].reshape(-1, bs - 1).copy()
+    if lookup is not None:
+        labels = lookup[labels]
+        valid &= labels.reshape(valid.shape) >= 0
+        labels = np.maximum(labels, 0)
     blocks[..., 1:] = mask_id
     return (
         mx.array(toks[:, :S]),
@@ -219,9 +228,18 @@ def make_batch(seqs: List[Sequence], a: TrainArgs, pad: int, mask_id: int, rng, 
 
 
 def block_logits(draft: DFlashDraft, target: Target, features, blocks, anchors):
-    """Training-path logits [B*nA, bs-1, V] of every anchor block."""
+    """Training-path logits [B*nA, bs-1, V] of every anchor block (V: the
+    draft's vocabulary)."""
     h = draft(target.embed(blocks), features, anchors=anchors)
-    return target.head(h[:, 1:])
+    vocab = draft.config.draft_vocab
+    return (target.head_over(mx.array(vocab)) if vocab else target.head)(h[:, 1:])
+
+
+def top_tokens(seqs: List[Sequence], k: int, rows: int) -> List[int]:
+    """The ``k`` most frequent target tokens of ``seqs`` (a draft vocabulary)."""
+    toks = np.concatenate([np.asarray(s.tokens[s.start :], dtype=np.int64) for s in seqs])
+    counts = np.bincount(toks, minlength=rows)
+    return sorted(np.argsort(-counts, kind="stable")[:k].tolist())
 
 
 def loss_fn(draft, target, features, blocks, anchors, labels, valid, weights):
@@ -275,6 +293,17 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     if src is not None and a.mask_token_id is None:
         a = replace(a, mask_token_id=src.config.mask_token_id)
     cfg = draft_config(model, tokenizer, a)
+    saved = Path(out) / "config.json"
+    if src is not None:
+        cfg.draft_vocab = src.config.draft_vocab
+    elif resume and saved.exists():  # the vocabulary it was trained with
+        cfg.draft_vocab = DFlashConfig.from_file(saved).draft_vocab
+    elif a.draft_vocab and a.draft_vocab < cfg.vocab_size:
+        cfg.draft_vocab = top_tokens(seqs, a.draft_vocab, cfg.vocab_size)
+    lookup = None
+    if cfg.draft_vocab:
+        lookup = np.full(cfg.vocab_size, -1, dtype=np.int32)
+        lookup[cfg.draft_vocab] = np.arange(len(cfg.draft_vocab), dtype=np.int32)
     mx.random.seed(a.seed)
     draft = DFlashDraft(cfg)
     if src is not None:
@@ -291,20 +320,31 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     grad = nn.value_and_grad(draft, loss_fn)
     steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
 
-    def inputs(batch, rng):
+    store = None
+    if a.cache_features:
+        bar = Progress(len(seqs), "features", out=log)
+        store = FeatureStore(Path(out), seqs, target, cfg.target_layer_ids, a.seq_len, pad,
+                             progress=lambda n, t: bar.update(n, t))
+        bar.close()
+
+    def inputs(index, rng):
         """Features, blocks, anchors, labels and validity of one step."""
-        toks, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng)
-        feats = _features(target, toks, cfg.target_layer_ids)
+        batch = [seqs[i] for i in index]
+        toks, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, lookup=lookup)
+        if store is not None:
+            feats = store.batch(index, toks.shape[1])
+        else:
+            feats = _features(target, toks, cfg.target_layer_ids)
         if a.decode_anchors:
             moved = next_anchors(draft, target, feats, *blocks, batch, a)
-            _, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved)
+            _, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved, lookup)
         return (feats, *blocks)
 
     if a.minutes and not a.steps:
         rng = np.random.default_rng(a.seed)
         for _ in range(2):  # the first call pays one-time costs
             tic = time.perf_counter()
-            mx.eval(grad(draft, target, *inputs(seqs[: a.batch_size], rng), weights))
+            mx.eval(grad(draft, target, *inputs(range(min(a.batch_size, len(seqs))), rng), weights))
         steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
         print(f"{steps} steps fit in {a.minutes:g} min", file=log)
     opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
@@ -328,9 +368,9 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     for step in range(step, steps):
         if pos + a.batch_size > len(order):
             order, pos = rng.permutation(len(seqs)), 0
-        batch = [seqs[i] for i in order[pos : pos + a.batch_size]]
+        index = order[pos : pos + a.batch_size]
         pos += a.batch_size
-        feats, blocks, anchors, labels, valid = inputs(batch, rng)
+        feats, blocks, anchors, labels, valid = inputs(index, rng)
         loss, acc, tau = step_fn(feats, blocks, anchors, labels, valid)
         mx.eval(draft.parameters(), opt.state, loss, acc, tau)
         if on_step is not None:
@@ -482,6 +522,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-anchors", action="store_true",
                    help="Move each random anchor to where decoding would start the next block "
                         "(one extra forward pass per step).")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="Propose from the K most frequent target tokens of the data only: a "
+                        "K-row LM head makes training and drafting cheaper (0: the whole vocabulary).")
+    p.add_argument("--no-feature-cache", action="store_true",
+                   help="Recompute target features every step instead of once (saves disk).")
     p.add_argument("--regenerate", action="store_true", help="Train on the target's own greedy continuations.")
     p.add_argument("--regen-tokens", type=int, default=None, help="Tokens generated per prompt (default: fill --seq-len).")
     p.add_argument("--regen-batch", type=int, default=32)
@@ -519,7 +564,8 @@ def _run(args) -> int:
         mask_token_id=args.mask_token_id, seq_len=args.seq_len, anchors=args.anchors,
         batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, minutes=args.minutes, lr=args.lr,
         gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every, init=args.init,
-        decode_anchors=args.decode_anchors,
+        decode_anchors=args.decode_anchors, draft_vocab=args.draft_vocab,
+        cache_features=not args.no_feature_cache,
     )
     records = read_records(args.data)
     model, tokenizer = load(args.model)

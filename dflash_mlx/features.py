@@ -1,0 +1,68 @@
+"""Target features of the training sequences, computed once and kept on disk.
+
+The target is frozen, so its hidden states at the draft's layers never change
+during training: one forward pass per sequence serves every epoch and every
+later stage (--resume, --init). They are stored as float16 in a memory-mapped
+file next to the draft, keyed by the sequences, layers and target.
+"""
+
+import hashlib
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+FILE = "train_features"
+
+
+def fingerprint(seqs, layer_ids: List[int], seq_len: int, target_desc: str) -> str:
+    h = hashlib.sha256(json.dumps([layer_ids, seq_len, target_desc]).encode())
+    for s in seqs:
+        h.update(np.asarray(s.tokens[:seq_len], dtype=np.int32).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:32]
+
+
+class FeatureStore:
+    """Features [N, seq_len, n*H] of N sequences (float16, memory-mapped)."""
+
+    def __init__(self, folder: Path, seqs, target, layer_ids: List[int], seq_len: int,
+                 pad: int, batch: int = 4, progress=None):
+        self.seq_len = seq_len
+        dim = target.hidden_size * len(layer_ids)
+        key = fingerprint(seqs, layer_ids, seq_len, f"{target.num_layers}x{target.hidden_size}")
+        data, meta = folder / f"{FILE}.f16", folder / f"{FILE}.json"
+        shape = (len(seqs), seq_len, dim)
+        old = _read(meta)
+        if old is not None and old.get("key") == key and old.get("done") and data.exists():
+            self.array = np.memmap(data, np.float16, "r", shape=shape)
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        meta.unlink(missing_ok=True)
+        out = np.memmap(data, np.float16, "w+", shape=shape)
+        for i in range(0, len(seqs), batch):
+            rows = seqs[i : i + batch]
+            toks = np.full((len(rows), seq_len), pad, dtype=np.int32)
+            for b, s in enumerate(rows):
+                t = s.tokens[:seq_len]
+                toks[b, : len(t)] = t
+            _, f = target.hidden(mx.array(toks), layer_ids)
+            out[i : i + len(rows)] = np.array(f.astype(mx.float16))
+            if progress is not None:
+                progress(i + len(rows), toks.size)
+        out.flush()
+        meta.write_text(json.dumps({"key": key, "shape": shape, "done": True}) + "\n")
+        self.array = np.memmap(data, np.float16, "r", shape=shape)
+
+    def batch(self, index: List[int], length: int) -> mx.array:
+        """Float32 features [B, length, n*H] of the sequences ``index``."""
+        return mx.array(self.array[np.asarray(index), :length]).astype(mx.float32)
+
+
+def _read(meta: Path) -> Optional[dict]:
+    try:
+        return json.loads(meta.read_text())
+    except (OSError, ValueError):
+        return None

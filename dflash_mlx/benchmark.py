@@ -3,7 +3,9 @@
 For every prompt, after a short warm-up, plain ``mlx_lm.stream_generate`` and
 DFlash ``stream_generate`` (and, with ``--baseline-draft-model``, mlx-lm's own
 speculative decoding) run on the same token ids, the order rotating from one
-prompt to the next. At temperature 0 the outputs must be token-identical;
+prompt to the next. Each temperature of ``--temp`` (default 0 and 0.7) is a
+full pass over the prompts; sampled passes are seeded (``--seed``, default 0)
+so they repeat exactly. At temperature 0 the outputs must be token-identical;
 any difference is a failure (exit code 3).
 
 Reported per prompt and in aggregate: decode tok/s (prefill excluded, from
@@ -15,9 +17,12 @@ DFlash run (``profile=True`` synchronises after each phase): by default a
 separate run after the measured ones, so the measured speed is not slowed by
 the extra synchronisation. Draft and verify costs are also given in plain
 decode steps (1 step = 1 / plain decode tok/s), with the ideal speedup
-tau / (c_draft + c_verify) next to the measured one.
+tau / (c_draft + c_verify) next to the measured one. Decode speeds, speedup
+and tau are also pooled per prompt category (the ``category`` of a JSONL row).
 
-    python -m dflash_mlx.benchmark                      # demo pair, its prompts
+    python -m dflash_mlx.benchmark                      # smollm2 + its draft, held-out set
+    python -m dflash_mlx.benchmark --model dflash_mlx/demo/target \
+        --draft dflash_mlx/demo/draft --dataset demo --temp 0
     python -m dflash_mlx.benchmark --model Qwen/Qwen3-4B --dataset gsm8k \\
         --max-samples 10 --max-tokens 256 --out results.json \\
         --baseline-draft-model Qwen/Qwen3-0.6B
@@ -37,6 +42,7 @@ from typing import Callable, Dict, List, Optional
 from .errors import run_command
 
 DEMO = Path(__file__).parent / "demo"
+DEFAULT_MODEL = "smollm2"
 PHASES = ("draft", "verify", "accept", "other")
 MISMATCH_EXIT = 3
 
@@ -244,14 +250,18 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
-def prompt_result(pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool) -> dict:
-    """The JSON record of one prompt."""
+def prompt_result(
+    pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool, category=None
+) -> dict:
+    """The JSON record of one prompt; the token ids too when sampled or when
+    the outputs differ."""
     plain, fl = runs["plain"], runs["dflash"]
     diff = first_difference(plain.tokens, fl.tokens)
     split = round_split(prof.phases) if prof else None
     step = 1 / plain.decode_tps if plain.decode_tps else None
     r = dict(
         id=pid,
+        category=category,
         prompt_tokens=plain.prompt_tokens,
         identical=diff is None,
         checked=exact,
@@ -274,7 +284,7 @@ def prompt_result(pid: str, runs: Dict[str, Run], prof: Optional[Run], block: in
             baseline_speedup=_ratio(b.decode_tps, plain.decode_tps),
             baseline_identical=bdiff is None,
         )
-    if diff is not None:
+    if diff is not None or not exact:
         r["tokens"] = {"plain": plain.tokens, "dflash": fl.tokens}
     return r
 
@@ -322,6 +332,28 @@ def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: List[Run],
     return s
 
 
+def _group(runs: List[Dict[str, Run]]) -> dict:
+    plain, fl = _pool([r["plain"] for r in runs]), _pool([r["dflash"] for r in runs])
+    return dict(
+        prompts=len(runs),
+        plain_tps=plain["decode_tps"],
+        dflash_tps=fl["decode_tps"],
+        speedup=_ratio(fl["decode_tps"], plain["decode_tps"]),
+        tau=fl.get("tau"),
+    )
+
+
+def categories(records: List[dict], runs: List[Dict[str, Run]]) -> Dict[str, dict]:
+    """Pooled decode tok/s, speedup and tau per category (prompts without
+    one under "other"), in order of appearance, then "all"."""
+    groups: Dict[str, List[Dict[str, Run]]] = {}
+    for rec, r in zip(records, runs):
+        groups.setdefault(rec["category"] or "other", []).append(r)
+    out = {k: _group(v) for k, v in groups.items()}
+    out["all"] = _group(runs)
+    return out
+
+
 # ----------------------------------------------------------------- output
 
 
@@ -360,23 +392,40 @@ def _f(x, fmt="{:.1f}", none="-"):
     return none if x is None else fmt.format(x)
 
 
-def format_summary(result: dict) -> str:
-    """The terminal summary table."""
-    c, s = result["config"], result["summary"]
-    names = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
+NAMES = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
+
+
+def _temp_label(r: dict) -> str:
+    return f"temp {r['temp']:g}" + (f" (seed {r['seed']})" if r["temp"] > 0 and r["seed"] is not None else "")
+
+
+def format_categories(cats: Dict[str, dict]) -> List[str]:
+    """The per-category table: pooled decode tok/s, speedup, tau."""
+    lines = [f"{'category':<12}{'prompts':>8}{'mlx-lm tok/s':>14}{'dflash tok/s':>14}{'speedup':>9}{'tau':>7}"]
+    for k, g in cats.items():
+        lines.append(
+            f"{k:<12}{g['prompts']:>8}{_f(g['plain_tps']):>14}{_f(g['dflash_tps']):>14}"
+            f"{_f(g['speedup'], '{:.2f}x'):>9}{_f(g['tau'], '{:.2f}'):>7}"
+        )
+    return lines
+
+
+def format_result(r: dict, c: dict) -> str:
+    """The summary of one temperature's pass."""
+    s = r["summary"]
     lines = [
-        f"{s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
-        f"temp {c['temp']}, block {c['block_size']}",
+        f"{_temp_label(r)}: {s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
+        f"block {c['block_size']}",
         f"{'method':<12}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
     ]
     plain = s["methods"]["plain"]
     for k, m in s["methods"].items():
         sp = _ratio(m["decode_tps"], plain["decode_tps"])
         lines.append(
-            f"{names[k]:<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
+            f"{NAMES[k]:<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
             f"{_f(sp, '{:.2f}x'):>9}{_f(m.get('tau'), '{:.2f}'):>7}{_f(m['peak_memory_gb'], '{:.3f}'):>9}"
         )
-    check = "required" if c["temp"] == 0 else "not required at temp > 0"
+    check = "required" if r["temp"] == 0 else "not required at temp > 0"
     lines.append(f"identical outputs: {s['identical']}/{s['prompts']} ({check})")
     if s["round_time_s"]:
         rt, co = s["round_time_s"], s["costs"]
@@ -390,21 +439,26 @@ def format_summary(result: dict) -> str:
     total = sum(h) or 1
     pct = [(i + 1, 100 * n / total) for i, n in enumerate(h) if n]
     lines.append("acceptance lengths: " + " ".join(f"{k}:{p:.0f}%" if p >= 1 else f"{k}:<1%" for k, p in pct))
-    return "\n".join(lines)
+    return "\n".join(lines + format_categories(r["categories"]))
 
 
-def write_chart(result: dict, path: Path) -> Optional[str]:
-    """Save the PNG chart (acceptance histogram, per-prompt speedup); return
-    a note instead when matplotlib is missing."""
-    try:
-        import matplotlib
+def format_summary(result: dict) -> str:
+    """The terminal summary: a block per temperature, then sampled against
+    greedy speedup."""
+    res = result["results"]
+    blocks = [format_result(r, result["config"]) for r in res]
+    greedy = next((r["summary"]["speedup"] for r in res if r["temp"] == 0), None)
+    lines = [
+        f"temp {r['temp']:g} speedup = {r['speedup_vs_greedy']:.2f}x the greedy one "
+        f"({_f(r['summary']['speedup'], '{:.2f}x')} vs {_f(greedy, '{:.2f}x')})"
+        for r in res
+        if r["speedup_vs_greedy"] is not None
+    ]
+    return "\n\n".join(blocks + (["\n".join(lines)] if lines else []))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed (pip install 'dflash-mlx[bench]'); no chart written"
-    s, recs = result["summary"], result["prompts"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+
+def _chart_row(a, b, r: dict) -> None:
+    s, recs = r["summary"], r["prompts"]
     h = s["acceptance_histogram"]
     total = sum(h) or 1
     a.bar(range(1, len(h) + 1), [100 * n / total for n in h], color="tab:blue")
@@ -412,22 +466,41 @@ def write_chart(result: dict, path: Path) -> Optional[str]:
         a.axvline(s["tau"], color="tab:red", ls="--", label=f"tau = {s['tau']:.2f}")
         a.legend()
     a.set_xticks(range(1, len(h) + 1))
-    a.set(xlabel="tokens committed per round", ylabel="% of rounds", title="DFlash acceptance length")
+    a.set(xlabel="tokens committed per round", ylabel="% of rounds",
+          title=f"DFlash acceptance length, {_temp_label(r)}")
     x = list(range(len(recs)))
     two = "baseline_speedup" in s
     off = 0.2 if two else 0.0
-    b.bar([i - off for i in x], [r["speedup"] or 0 for r in recs], 0.4 if two else 0.6, label="dflash", color="tab:green")
+    b.bar([i - off for i in x], [p["speedup"] or 0 for p in recs], 0.4 if two else 0.6, label="dflash", color="tab:green")
     if two:
-        b.bar([i + 0.2 for i in x], [r.get("baseline_speedup") or 0 for r in recs], 0.4,
+        b.bar([i + 0.2 for i in x], [p.get("baseline_speedup") or 0 for p in recs], 0.4,
               label="mlx-lm speculative", color="tab:orange")
     b.axhline(1.0, color="gray", lw=1)
-    b.set_xticks(x, [r["id"] for r in recs], rotation=60, ha="right", fontsize=7)
-    b.set(ylabel="decode speedup over mlx-lm", title=f"Per-prompt speedup (overall {_f(s['speedup'], '{:.2f}x')})")
+    b.set_xticks(x, [p["id"] for p in recs], rotation=60, ha="right", fontsize=7)
+    b.set(ylabel="decode speedup over mlx-lm",
+          title=f"Per-prompt speedup, {_temp_label(r)} (overall {_f(s['speedup'], '{:.2f}x')})")
     b.legend()
+
+
+def write_chart(result: dict, path: Path) -> Optional[str]:
+    """Save the PNG chart, a row per temperature (acceptance histogram,
+    per-prompt speedup); return a note instead when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'dflash-mlx[bench]'); no chart written"
+    res = result["results"]
+    fig, axes = plt.subplots(len(res), 2, figsize=(12, 4.2 * len(res)), squeeze=False)
+    for (a, b), r in zip(axes, res):
+        _chart_row(a, b, r)
     c = result["config"]
+    temps = ", ".join(f"{t:g}" for t in c["temps"])
     fig.suptitle(
         f"{Path(c['model']).name} + {Path(c['draft']).name} | {Path(c['dataset']).name}, "
-        f"temp {c['temp']}, block {c['block_size']}, max {c['max_tokens']} tokens", fontsize=9
+        f"temp {temps}, block {c['block_size']}, max {c['max_tokens']} tokens", fontsize=9
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -444,16 +517,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmark DFlash speculative decoding against plain mlx-lm decoding.",
         epilog="Exit codes: 0 ok, 1 bad input, 3 outputs differ at temperature 0.",
     )
-    p.add_argument("--model", help="Target model folder or hub id (default: the embedded demo target).")
-    p.add_argument("--draft", help="DFlash draft folder or hub id (default: the demo draft, or the published draft for --model).")
-    p.add_argument("--dataset", default="demo",
-                   help="gsm8k, math500, humaneval, mbpp, mt-bench (from the hub), a JSONL file of prompts, or demo (default).")
+    p.add_argument("--model", help="Target model folder, hub id or short name (default: smollm2).")
+    p.add_argument("--draft", help="DFlash draft folder or hub id (default: the embedded or published draft for --model).")
+    p.add_argument("--dataset", default="heldout",
+                   help="gsm8k, math500, humaneval, mbpp, mt-bench (from the hub), a JSONL file of prompts, "
+                        "heldout (the smollm2 held-out set, default) or demo (the toy pair's prompts).")
     p.add_argument("--max-samples", type=int, default=None,
                    help="Prompts to run (default: all of a file, 20 of a hub dataset).")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0, help="Sampling temperature (0: greedy, outputs checked).")
+    p.add_argument("--temp", default="0,0.7",
+                   help="Sampling temperatures, comma-separated, each a full pass (0: greedy, outputs checked; default 0,0.7).")
     p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's).")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
     p.add_argument("--baseline-draft-model", default=None,
@@ -475,8 +550,7 @@ def _check(args) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
-    if args.temp < 0:
-        raise BenchmarkError(f"--temp must be >= 0, got {args.temp}.")
+    parse_temps(args.temp)
     if args.warmup_tokens < 0:
         raise BenchmarkError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
     for name in ("repetition_penalty", "perturb_dflash"):
@@ -485,22 +559,38 @@ def _check(args) -> None:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be > 0, got {v}.")
 
 
-def resolve(args) -> Dict[str, Optional[str]]:
-    """Model, draft and baseline paths; the demo pair when no --model."""
-    from .generate import known_draft
+def parse_temps(text: str) -> List[float]:
+    """The temperatures of ``--temp`` ("0,0.7"), in order, without repeats."""
+    try:
+        temps = [float(t) for t in str(text).split(",") if t.strip()]
+    except ValueError:
+        raise BenchmarkError(f"--temp takes comma-separated numbers, got '{text}'.") from None
+    if not temps or any(not t >= 0 for t in temps):
+        raise BenchmarkError(f"--temp values must be >= 0, got '{text}'.")
+    return list(dict.fromkeys(temps))
 
-    if args.model is None:
-        if not (DEMO / "target" / "config.json").exists():
-            raise BenchmarkError(
-                f"No --model given and the embedded demo pair is not installed ({DEMO / 'target'}); "
-                "pass --model and --draft."
-            )
-        model, draft = str(DEMO / "target"), args.draft or str(DEMO / "draft")
-    else:
-        model, draft = args.model, args.draft or known_draft(args.model)
-        if draft is None:
-            raise BenchmarkError(f"No --draft given and no published DFlash draft is known for '{args.model}'.")
+
+def resolve(args) -> Dict[str, Optional[str]]:
+    """Model, draft and baseline paths; smollm2 and its embedded draft when
+    no --model."""
+    from .generate import EMBEDDED, known_draft
+
+    model = args.model or DEFAULT_MODEL
+    draft = args.draft or known_draft(model)
+    if draft is None:
+        raise BenchmarkError(f"No --draft given and no published DFlash draft is known for '{model}'.")
+    if not args.draft and draft in EMBEDDED.values() and not (Path(draft) / "config.json").exists():
+        raise BenchmarkError(
+            f"The embedded {model} draft is not installed ({draft} is missing); "
+            "train it first, or pass --draft."
+        )
     return dict(model=model, draft=draft, baseline_draft_model=args.baseline_draft_model)
+
+
+def is_demo(model: str) -> bool:
+    """Whether ``model`` is the toy demo target (which is prompted without a
+    chat template)."""
+    return Path(model).expanduser().resolve() == (DEMO / "target").resolve()
 
 
 def load_models(paths: Dict[str, Optional[str]], demo: bool) -> Models:
@@ -547,14 +637,15 @@ class Bench:
             self.methods["baseline"] = lambda ids, n=None: run_mlx(self.m, ids, self.s, n, speculative=True)
         self.records, self.runs, self.profs = [], [], []
 
-    def prompt(self, pid: str, ids: List[int], index: int, show: Callable[[str], None]) -> dict:
-        """Warm up, run every method (order rotated by ``index``), profile."""
+    def prompt(self, pid: str, ids: List[int], category: Optional[str], show: Callable[[str], None]) -> dict:
+        """Warm up, run every method (order rotated from prompt to prompt),
+        profile."""
         if self.warmup:
             show(f"{pid}: warm-up")
             for f in self.methods.values():
                 f(ids, min(self.warmup, self.s.max_tokens))
         names = list(self.methods)
-        k = index % len(names)
+        k = len(self.records) % len(names)
         runs = {}
         for name in names[k:] + names[:k]:
             show(f"{pid}: {name}")
@@ -563,7 +654,7 @@ class Bench:
         if self.profile == "separate":
             show(f"{pid}: profiled dflash")
             prof = run_dflash(self.m, ids, self.s, profile=True)
-        rec = prompt_result(pid, runs, prof, self.block, self.s.temp == 0)
+        rec = prompt_result(pid, runs, prof, self.block, self.s.temp == 0, category)
         self.records.append(rec)
         self.runs.append(runs)
         if prof:
@@ -571,12 +662,24 @@ class Bench:
         return rec
 
 
-def _settings(args) -> Settings:
+    def result(self) -> dict:
+        """This temperature's JSON result."""
+        return dict(
+            temp=self.s.temp,
+            seed=self.s.seed,
+            summary=summarize(self.records, self.runs, self.profs, self.block),
+            categories=categories(self.records, self.runs),
+            prompts=self.records,
+        )
+
+
+def _settings(args, temp: float) -> Settings:
     from mlx_lm.sample_utils import make_logits_processors
 
     procs = make_logits_processors(repetition_penalty=args.repetition_penalty) if args.repetition_penalty else None
     perturb = make_logits_processors(repetition_penalty=args.perturb_dflash) if args.perturb_dflash else None
-    return Settings(args.max_tokens, args.temp, args.block_size, args.seed, args.num_draft_tokens, procs, perturb)
+    seed = 0 if args.seed is None and temp > 0 else args.seed
+    return Settings(args.max_tokens, temp, args.block_size, seed, args.num_draft_tokens, procs, perturb)
 
 
 def _config(args, models: Models, block: int, template: bool) -> dict:
@@ -590,7 +693,7 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
         dataset=args.dataset,
         max_samples=args.max_samples,
         max_tokens=args.max_tokens,
-        temp=args.temp,
+        temps=parse_temps(args.temp),
         block_size=block,
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens if models.baseline is not None else None,
@@ -608,39 +711,56 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
     )
 
 
-def benchmark(args, progress: Optional[Progress] = None) -> dict:
-    """Run the benchmark described by parsed ``args``; return the results."""
-    from .datasets import is_hub, load_samples
-
-    _check(args)
-    paths = resolve(args)
-    samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
-    models = load_models(paths, args.model is None)
-    block = args.block_size or models.draft.block_size
-    template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
-    bench = Bench(models, _settings(args), args.profile, args.warmup_tokens, block)
-    total = sum(len(x.turns) or 1 for x in samples)
-    progress = progress or Progress(total)
-    done = 0
+def run_pass(bench: Bench, samples, template: bool, progress: Progress, done: int) -> int:
+    """Run every sample's turns through ``bench``; return the prompts done."""
+    tok, tag = bench.m.tokenizer, f"[temp {bench.s.temp:g}]"
     for smp in samples:
         chat = list(smp.messages or [])
         for t, turn in enumerate(smp.turns or [None]):
             if turn is not None:
                 chat.append({"role": "user", "content": turn})
             pid = smp.id if len(smp.turns) < 2 else f"{smp.id}#{t + 1}"
-            ids = encode(models.tokenizer, render(models.tokenizer, chat, template))
-            rec = bench.prompt(pid, ids, done, lambda msg: progress.show(done, msg))
+            ids = encode(tok, render(tok, chat, template))
+            rec = bench.prompt(pid, ids, smp.category, lambda msg: progress.show(done, f"{tag} {msg}"))
             done += 1
-            progress.show(done, f"{pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}", final=True)
+            progress.show(done, f"{tag} {pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}", final=True)
             if rec["checked"] and not rec["identical"]:
                 progress.log(f"MISMATCH {pid}: outputs differ from token {rec['first_difference']}")
             chat.append({"role": "assistant", "content": rec["output"]})
+    return done
+
+
+def compare_to_greedy(results: List[dict]) -> None:
+    """Set each sampled result's speedup as a multiple of the greedy one."""
+    greedy = next((r["summary"]["speedup"] for r in results if r["temp"] == 0), None)
+    for r in results:
+        r["speedup_vs_greedy"] = _ratio(r["summary"]["speedup"], greedy) if r["temp"] > 0 else None
+
+
+def benchmark(args, progress: Optional[Progress] = None) -> dict:
+    """Run the benchmark described by parsed ``args``; return the results:
+    the shared config and one result per temperature."""
+    from .datasets import is_hub, load_samples
+
+    _check(args)
+    temps = parse_temps(args.temp)
+    paths = resolve(args)
+    samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
+    models = load_models(paths, is_demo(paths["model"]))
+    block = args.block_size or models.draft.block_size
+    template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
+    progress = progress or Progress(sum(len(x.turns) or 1 for x in samples) * len(temps))
+    results, done = [], 0
+    for temp in temps:
+        bench = Bench(models, _settings(args, temp), args.profile, args.warmup_tokens, block)
+        done = run_pass(bench, samples, template, progress, done)
+        results.append(bench.result())
     progress.close()
-    failures = [r["id"] for r in bench.records if r["checked"] and not r["identical"]]
+    compare_to_greedy(results)
+    failures = [p["id"] for r in results for p in r["prompts"] if p["checked"] and not p["identical"]]
     return dict(
         config=_config(args, models, block, template),
-        summary=summarize(bench.records, bench.runs, bench.profs, block),
-        prompts=bench.records,
+        results=results,
         failures=failures,
         ok=not failures,
     )

@@ -8,7 +8,11 @@ Three sources:
 - any JSONL file, one object a line: ``{"prompt": "..."}``, ``{"messages":
   [{"role": ..., "content": ...}, ...]}`` (a chat to continue) or
   ``{"turns": ["...", "..."]}`` (user turns; the answers are generated);
-- ``demo``: the held-out prompts bundled with the embedded demo pair.
+- bundled sets: ``heldout`` (alias ``smollm2``), the held-out prompts of
+  the SmolLM2 pair, and ``demo``, those of the toy demo pair.
+
+A JSONL row may carry a ``"category"`` string (the paper datasets are their
+own category); the benchmark reports speeds per category.
 """
 
 import json
@@ -18,7 +22,8 @@ from typing import Callable, Dict, List, Optional
 
 from .errors import DFlashError
 
-DEMO_PROMPTS = Path(__file__).parent / "demo" / "prompts.jsonl"
+HERE = Path(__file__).parent
+BUNDLED = {"demo": HERE / "demo" / "prompts.jsonl", "heldout": HERE / "smollm2" / "heldout.jsonl"}
 
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE = (
@@ -40,11 +45,13 @@ class Sample:
         turns: User turns. Each turn is generated in order, the previous
             answers appended between them (MT-Bench style).
         messages: A whole chat to continue instead of ``turns``.
+        category: A group for per-category reports (math, code, ...).
     """
 
     id: str
     turns: List[str] = field(default_factory=list)
     messages: Optional[List[Dict[str, str]]] = None
+    category: Optional[str] = None
 
 
 @dataclass
@@ -66,33 +73,33 @@ HUB_SETS = {
     "mbpp": HubSet("google-research-datasets/mbpp", "sanitized", "test", lambda r: [r["prompt"]]),
     "mt-bench": HubSet("HuggingFaceH4/mt_bench_prompts", None, "train", lambda r: list(r["prompt"])),
 }
-ALIASES = {"math-500": "math500", "mt_bench": "mt-bench", "mtbench": "mt-bench"}
+ALIASES = {"math-500": "math500", "mt_bench": "mt-bench", "mtbench": "mt-bench", "smollm2": "heldout"}
 
 
 def is_hub(name: str) -> bool:
-    """Whether ``name`` names a paper dataset (rather than a file or demo)."""
+    """Whether ``name`` names a paper dataset (rather than a file or a bundled set)."""
     return not Path(name).expanduser().is_file() and ALIASES.get(name.lower(), name.lower()) in HUB_SETS
 
 
 def load_samples(name: str, limit: Optional[int] = None) -> List[Sample]:
-    """The samples of a dataset: a paper dataset name, ``demo``, or the path
-    of a JSONL file; at most ``limit`` of them."""
+    """The samples of a dataset: a paper dataset name, a bundled set
+    (``heldout``, ``demo``), or the path of a JSONL file; at most ``limit``."""
     key = ALIASES.get(name.lower(), name.lower())
     path = Path(name).expanduser()
     if path.is_file():
         samples = read_jsonl(path)
-    elif key == "demo":
-        if not DEMO_PROMPTS.exists():
+    elif key in BUNDLED:
+        if not BUNDLED[key].exists():
             raise DatasetError(
-                f"The demo prompt set {DEMO_PROMPTS} is not installed; "
+                f"The {key} prompt set {BUNDLED[key]} is not installed; "
                 "pass --dataset with a JSONL file or a dataset name."
             )
-        samples = read_jsonl(DEMO_PROMPTS)
+        samples = read_jsonl(BUNDLED[key])
     elif key in HUB_SETS:
         samples = fetch(key, limit)
     else:
         raise DatasetError(
-            f"Unknown dataset '{name}': give a JSONL file, 'demo', or one of "
+            f"Unknown dataset '{name}': give a JSONL file, {', '.join(BUNDLED)}, or one of "
             f"{', '.join(HUB_SETS)}."
         )
     return samples[:limit] if limit else samples
@@ -125,18 +132,20 @@ def _sample(row, sid: str, where: str) -> Sample:
         sid = str(row["id"])
     elif isinstance(row.get("file"), str):
         sid = f"{row['file']}@{sid.rsplit(':', 1)[-1]}"
+    cat = row["category"] if isinstance(row.get("category"), str) and row["category"] else None
     if isinstance(row.get("prompt"), str) and row["prompt"]:
-        return Sample(sid, [row["prompt"]])
+        return Sample(sid, [row["prompt"]], category=cat)
     turns = row.get("turns")
     if isinstance(turns, list) and turns and all(isinstance(t, str) and t for t in turns):
-        return Sample(sid, list(turns))
+        return Sample(sid, list(turns), category=cat)
     msgs = row.get("messages")
     if (
         isinstance(msgs, list)
         and msgs
         and all(isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in msgs)
     ):
-        return Sample(sid, messages=[{"role": m["role"], "content": m["content"]} for m in msgs])
+        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        return Sample(sid, messages=msgs, category=cat)
     raise DatasetError(
         f"{where}: expected a non-empty 'prompt' string, 'turns' list of strings "
         "or 'messages' list of {role, content}."
@@ -153,14 +162,14 @@ def fetch(name: str, limit: Optional[int] = None) -> List[Sample]:
         for i, row in enumerate(rows):
             if limit and len(samples) == limit:
                 break
-            samples.append(Sample(f"{name}:{i}", spec.turns(row)))
+            samples.append(Sample(f"{name}:{i}", spec.turns(row), category=name))
     except DatasetError:
         raise
     except Exception as e:  # network, offline mode, auth, layout changes
         detail = str(e).strip().splitlines()[0] if str(e).strip() else "no detail"
         raise DatasetError(
             f"Could not fetch {name} ({spec.repo}) from the hub ({type(e).__name__}: "
-            f"{detail}); are you online? Offline, pass a JSONL file of prompts or 'demo'."
+            f"{detail}); are you online? Offline, pass a JSONL file of prompts or 'heldout'."
         ) from None
     return samples
 

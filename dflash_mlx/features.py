@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 FILE = "train_features"
 
@@ -32,7 +33,7 @@ class FeatureStore:
                  pad: int, batch: int = 4, progress=None):
         self.seq_len = seq_len
         dim = target.hidden_size * len(layer_ids)
-        key = fingerprint(seqs, layer_ids, seq_len, f"{target.num_layers}x{target.hidden_size}")
+        key = fingerprint(seqs, layer_ids, seq_len, _describe(target, layer_ids))
         data, meta = folder / f"{FILE}.f16", folder / f"{FILE}.json"
         shape = (len(seqs), seq_len, dim)
         old = _read(meta)
@@ -42,16 +43,19 @@ class FeatureStore:
         folder.mkdir(parents=True, exist_ok=True)
         meta.unlink(missing_ok=True)
         out = np.memmap(data, np.float16, "w+", shape=shape)
-        for i in range(0, len(seqs), batch):
-            rows = seqs[i : i + batch]
-            toks = np.full((len(rows), seq_len), pad, dtype=np.int32)
-            for b, s in enumerate(rows):
-                t = s.tokens[:seq_len]
+        # Sequences of similar length share a batch, so little padding is computed.
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+        for n in range(0, len(order), batch):
+            rows = order[n : n + batch]
+            S = min(seq_len, max(len(seqs[i].tokens) for i in rows))
+            toks = np.full((len(rows), S), pad, dtype=np.int32)
+            for b, i in enumerate(rows):
+                t = seqs[i].tokens[:S]
                 toks[b, : len(t)] = t
-            _, f = target.hidden(mx.array(toks), layer_ids)
-            out[i : i + len(rows)] = np.array(f.astype(mx.float16))
+            f = target.features(mx.array(toks), layer_ids)
+            out[rows, :S] = np.array(f.astype(mx.float16))
             if progress is not None:
-                progress(i + len(rows), toks.size)
+                progress(n + len(rows), toks.size)
         out.flush()
         meta.write_text(json.dumps({"key": key, "shape": shape, "done": True}) + "\n")
         self.array = np.memmap(data, np.float16, "r", shape=shape)
@@ -59,6 +63,19 @@ class FeatureStore:
     def batch(self, index: List[int], length: int) -> mx.array:
         """Float32 features [B, length, n*H] of the sequences ``index``."""
         return mx.array(self.array[np.asarray(index), :length]).astype(mx.float32)
+
+
+def _describe(target, layer_ids: List[int]) -> str:
+    """The target's shape and a digest of the start of every weight that
+    feeds ``layer_ids``: another target of the same shape (a fine-tune, a
+    quantization) does not reuse these features."""
+    h = hashlib.sha256()
+    for m in [target.embed] + target.layers[: max(layer_ids) + 1]:
+        for name, w in tree_flatten(m.parameters()):
+            w = w.reshape(-1)[:256]
+            h.update(name.encode() + str(w.dtype).encode())
+            h.update(np.array(w.astype(mx.float32) if w.dtype == mx.bfloat16 else w).tobytes())
+    return f"{target.num_layers}x{target.hidden_size}:{h.hexdigest()[:16]}"
 
 
 def _read(meta: Path) -> Optional[dict]:

@@ -17,6 +17,9 @@ from .errors import run_command
 DEMO = Path(__file__).parent / "demo"
 DEMO_PROMPT = "def binary_search(items, target):\n"
 
+# Drafts shipped inside the package, keyed by the target's short name.
+EMBEDDED = {"smollm2": str(Path(__file__).parent / "smollm2" / "draft")}
+
 # Published z-lab drafts, keyed by the target's base name (lower case).
 KNOWN_DRAFTS = {
     "qwen3-4b": "z-lab/Qwen3-4B-DFlash-b16",
@@ -39,8 +42,11 @@ KNOWN_DRAFTS = {
 
 
 def known_draft(model: str) -> Optional[str]:
-    """The z-lab draft for a published target, by name (quantized and
-    community conversions included), or None."""
+    """The embedded draft of a short model name, or the z-lab draft for a
+    published target, by name (quantized and community conversions
+    included), or None."""
+    if model.lower() in EMBEDDED:
+        return EMBEDDED[model.lower()]
     name = Path(model.rstrip("/")).name.lower()
     best = None
     for key in KNOWN_DRAFTS:

@@ -89,16 +89,18 @@ class Target:
         from hidden states [..., H] to logits [..., len(ids)]."""
         m = self._head_rows
         w = m.weight[ids]
+        bias = getattr(m, "bias", None) if m is not self.embed else None
+        bias = bias[ids] if bias is not None else None  # e.g. phi's lm_head, also quantized
         if not hasattr(m, "scales"):
-            bias = getattr(m, "bias", None)
-            bias = bias[ids] if bias is not None and m is not self.embed else None
-            return lambda h: (h @ w.T + bias) if bias is not None else h @ w.T
-        scales = m.scales[ids]
-        biases = m.biases[ids] if getattr(m, "biases", None) is not None else None
-        mode = getattr(m, "mode", "affine")
-        return lambda h: mx.quantized_matmul(
-            h, w, scales, biases, transpose=True, group_size=m.group_size, bits=m.bits, mode=mode
-        )
+            rows = lambda h: h @ w.T
+        else:
+            scales = m.scales[ids]
+            biases = m.biases[ids] if getattr(m, "biases", None) is not None else None
+            mode = getattr(m, "mode", "affine")
+            rows = lambda h: mx.quantized_matmul(
+                h, w, scales, biases, transpose=True, group_size=m.group_size, bits=m.bits, mode=mode
+            )
+        return rows if bias is None else (lambda h: rows(h) + bias)
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)
@@ -138,6 +140,14 @@ class Target:
             logits = self.model(tokens)
             feats = [taps[i].value for i in layer_ids]
         return logits, mx.concatenate(feats, axis=-1)
+
+    def features(self, tokens: mx.array, layer_ids: List[int]) -> mx.array:
+        """The concatenated outputs of ``layer_ids`` [B, S, n*H] for a batch
+        ``tokens`` [B, S], without running the LM head."""
+        with self.lock, self._taps(layer_ids, None) as (taps, _, _):
+            self.inner(tokens)
+            feats = [taps[i].value for i in layer_ids]
+        return mx.concatenate(feats, axis=-1)
 
     @contextmanager
     def _taps(self, layer_ids, cache):

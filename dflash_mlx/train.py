@@ -470,15 +470,20 @@ def _regenerated(model, tokenizer, records, args) -> List[Sequence]:
     cached = Path(args.out) / REGEN
     have = {}
     if cached.exists():
-        for line in cached.read_text().splitlines():
+        text = cached.read_text()
+        if not text.endswith("\n"):  # drop a last line cut short, or answers appended would join it
+            text = text[: text.rfind("\n") + 1]
+            cached.write_text(text)
+        for line in text.splitlines():
             try:
                 q = Sequence(**json.loads(line))
             except (ValueError, TypeError):
-                continue  # a line cut short by an interrupted run
+                continue  # an unreadable line
             have[tuple(q.tokens[: q.start])] = q
-    todo = list({tuple(p): p for p in prompts if tuple(p) not in have}.values())
+    distinct = {tuple(p): p for p in prompts}
+    todo = [p for k, p in distinct.items() if k not in have]
     if have:
-        print(f"reusing {len(prompts) - len(todo)} regenerated sequences from {cached}", file=sys.stderr)
+        print(f"reusing {len(distinct) - len(todo)} regenerated sequences from {cached}", file=sys.stderr)
     if todo:
         cached.parent.mkdir(parents=True, exist_ok=True)
         n_new = args.regen_tokens or max(1, args.seq_len - plen)
@@ -559,6 +564,8 @@ def _run(args) -> int:
     for name in ("block_size", "depth", "seq_len", "anchors", "batch_size"):
         if getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be positive.")
+    if args.draft_vocab < 0:
+        raise TrainError("--draft-vocab must be positive (or 0: the whole vocabulary).")
     a = TrainArgs(
         block_size=args.block_size, depth=args.depth, target_layer_ids=ids,
         mask_token_id=args.mask_token_id, seq_len=args.seq_len, anchors=args.anchors,

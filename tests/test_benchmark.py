@@ -1,5 +1,8 @@
-"""The benchmark on tiny real models: JSON fields, identity check, failures."""
+"""The benchmark on tiny real models: JSON fields, identity check, failures,
+temperatures, categories."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -13,12 +16,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_draft, make_target  # noqa: E402
 
 from dflash_mlx import benchmark as bm  # noqa: E402
-from dflash_mlx.datasets import DatasetError, pick_file, read_jsonl  # noqa: E402
+from dflash_mlx.datasets import DatasetError, load_samples, pick_file, read_jsonl  # noqa: E402
+from dflash_mlx.generate import EMBEDDED, known_draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
-    {"prompt": "def add(a, b):\n    return"},
-    {"turns": ["import os\n", "class Config:"]},
+    {"prompt": "def add(a, b):\n    return", "category": "code"},
+    {"turns": ["import os\n", "class Config:"], "category": "chat"},
     {"messages": [{"role": "user", "content": "for i in range(10):"}]},
 ]
 
@@ -38,7 +42,7 @@ def _args(pair, out, *extra):
     d, target, draft, _, prompts = pair
     return [
         "--model", str(target), "--draft", str(draft), "--dataset", str(prompts),
-        "--max-tokens", "24", "--warmup-tokens", "4", "--out", str(out), *extra,
+        "--max-tokens", "24", "--warmup-tokens", "4", "--temp", "0", "--out", str(out), *extra,
     ]
 
 
@@ -60,10 +64,13 @@ def test_json_has_every_field_and_outputs_match(pair, tmp_path, capsys):
     assert code == 0
     res = json.loads(out.read_text())
     assert res["ok"] and res["failures"] == []
-    for k in ("model", "draft", "dataset", "max_tokens", "temp", "block_size", "seed",
+    for k in ("model", "draft", "dataset", "max_tokens", "temps", "block_size", "seed",
               "profile", "versions", "chat_template", "baseline_draft_model"):
         assert k in res["config"]
-    s = res["summary"]
+    (r0,) = res["results"]
+    assert r0["temp"] == 0 and r0["seed"] is None and r0["speedup_vs_greedy"] is None
+    assert list(r0["categories"]) == ["code", "chat", "other", "all"]
+    s = r0["summary"]
     assert s["prompts"] == 4 and s["identical"] == 4  # the 2-turn sample counts twice
     for k in ("speedup", "e2e_speedup", "tau", "acceptance_histogram", "round_time_s",
               "costs", "ideal_speedup", "plain_step_s", "baseline_speedup", "methods"):
@@ -77,10 +84,12 @@ def test_json_has_every_field_and_outputs_match(pair, tmp_path, capsys):
     assert sum(s["acceptance_histogram"]) == s["methods"]["dflash"]["rounds"]
     for m in s["methods"].values():
         assert m["decode_tps"] > 0 and m["e2e_tps"] > 0 and m["peak_memory_gb"] > 0
-    ids = [r["id"] for r in res["prompts"]]
+    ids = [r["id"] for r in r0["prompts"]]
     assert ids == ["prompts:1", "prompts:2#1", "prompts:2#2", "prompts:3"]
-    for r in res["prompts"]:
+    assert [r["category"] for r in r0["prompts"]] == ["code", "chat", "chat", None]
+    for r in r0["prompts"]:
         assert r["identical"] and r["checked"] and r["first_difference"] is None
+        assert "tokens" not in r
         assert r["baseline_identical"]
         assert r["tau"] >= 1 and r["speedup"] > 0 and r["ideal_speedup"] > 0
         d = r["runs"]["dflash"]
@@ -106,8 +115,9 @@ def test_inline_profile_and_block_size(pair, tmp_path, capsys):
     assert code == 0
     res = json.loads(out.read_text())
     assert res["config"]["chat_template"] is False and res["config"]["block_size"] == 4
-    assert len(res["prompts"]) == 1 and len(res["summary"]["acceptance_histogram"]) == 4
-    assert res["summary"]["round_time_s"]["verify"] > 0
+    (r0,) = res["results"]
+    assert len(r0["prompts"]) == 1 and len(r0["summary"]["acceptance_histogram"]) == 4
+    assert r0["summary"]["round_time_s"]["verify"] > 0
 
 
 def test_differing_outputs_fail(pair, tmp_path):
@@ -119,7 +129,7 @@ def test_differing_outputs_fail(pair, tmp_path):
     assert "outputs differ" in p.stderr and "Traceback" not in p.stderr
     res = json.loads(out.read_text())
     assert not res["ok"] and res["failures"]
-    bad = [r for r in res["prompts"] if not r["identical"]]
+    bad = [r for r in res["results"][0]["prompts"] if not r["identical"]]
     assert bad and all(r["tokens"]["plain"] != r["tokens"]["dflash"] for r in bad)
 
 
@@ -129,6 +139,8 @@ def test_differing_outputs_fail(pair, tmp_path):
         (["--dataset", "no-such-set"], "Unknown dataset"),
         (["--max-tokens", "0"], "--max-tokens must be at least 1"),
         (["--draft", "/nonexistent/draft"], "/nonexistent/draft"),
+        (["--temp", "0,-1"], "--temp values must be >= 0"),
+        (["--temp", "0,hot"], "--temp takes comma-separated numbers"),
     ],
 )
 def test_bad_input_is_one_line(pair, tmp_path, capsys, extra, message):
@@ -136,6 +148,84 @@ def test_bad_input_is_one_line(pair, tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip()
     assert code == 1
     assert err.startswith("error:") and message in err and "\n" not in err
+
+
+@pytest.fixture(scope="module")
+def sampled(pair, tmp_path_factory):
+    """Two identical runs at temperatures 0 and 0.7 (seed left to default):
+    their JSON results and the first one's printed summary."""
+    d = tmp_path_factory.mktemp("sampled")
+    res, printed = [], ""
+    for i in range(2):
+        out = d / f"r{i}.json"
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(io.StringIO()):
+            code = bm.main(_args(pair, out, "--temp", "0,0.7", "--profile", "off", "--warmup-tokens", "0"))
+        assert code == 0
+        res.append(json.loads(out.read_text()))
+        printed = printed or buf.getvalue()
+    return res, printed
+
+
+def test_two_temperatures_in_one_run(sampled):
+    (res, _), printed = sampled
+    assert res["ok"] and res["config"]["temps"] == [0.0, 0.7]
+    greedy, hot = res["results"]
+    assert (greedy["temp"], greedy["seed"], hot["temp"], hot["seed"]) == (0.0, None, 0.7, 0)
+    assert [r["id"] for r in greedy["prompts"]] == [r["id"] for r in hot["prompts"]]
+    assert all(r["identical"] and r["checked"] for r in greedy["prompts"])
+    assert not any(r["checked"] for r in hot["prompts"])
+    assert any(g["output"] != h["output"] for g, h in zip(greedy["prompts"], hot["prompts"]))
+    assert greedy["speedup_vs_greedy"] is None
+    assert hot["speedup_vs_greedy"] == pytest.approx(hot["summary"]["speedup"] / greedy["summary"]["speedup"])
+    assert printed.count("category") == 2 and printed.count("identical outputs:") == 2
+    assert "identical outputs: 4/4 (required)" in printed
+    assert f"temp 0.7 speedup = {hot['speedup_vs_greedy']:.2f}x the greedy one" in printed
+
+
+def test_seeded_sampling_repeats(sampled):
+    (a, b), _ = sampled
+    ra, rb = a["results"][1]["prompts"], b["results"][1]["prompts"]
+    assert len(ra) == len(rb) == 4
+    for x, y in zip(ra, rb):
+        assert x["tokens"] == y["tokens"] and x["output"] == y["output"]
+
+
+def test_category_table_pools_the_prompts(sampled):
+    (res, _), _ = sampled
+    for r in res["results"]:
+        cats = r["categories"]
+        assert {k: g["prompts"] for k, g in cats.items()} == {"code": 1, "chat": 2, "other": 1, "all": 4}
+        for name, g in cats.items():
+            recs = [p for p in r["prompts"] if name == "all" or (p["category"] or "other") == name]
+            for method, key in (("plain", "plain_tps"), ("dflash", "dflash_tps")):
+                runs = [p["runs"][method] for p in recs]
+                tokens = sum(x["generated_tokens"] - 1 for x in runs)
+                assert g[key] == pytest.approx(tokens / sum(x["decode_s"] for x in runs))
+            accepted = sum((i + 1) * n for p in recs for i, n in enumerate(p["acceptance_histogram"]))
+            rounds = sum(sum(p["acceptance_histogram"]) for p in recs)
+            assert g["tau"] == pytest.approx(accepted / rounds)
+            assert g["speedup"] == pytest.approx(g["dflash_tps"] / g["plain_tps"])
+
+
+def test_heldout_dataset():
+    samples = load_samples("heldout")
+    assert len(samples) == 48
+    cats = [x.category for x in samples]
+    assert {c: cats.count(c) for c in set(cats)} == {"math": 16, "code": 16, "chat": 16}
+    assert all(len(x.turns) == 1 and x.turns[0] for x in samples)
+    assert [x.id for x in load_samples("SmolLM2", 5)] == [x.id for x in samples[:5]]
+
+
+def test_missing_embedded_draft_is_one_line(tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "draft"
+    monkeypatch.setitem(EMBEDDED, "smollm2", str(missing))
+    assert known_draft("SmolLM2") == str(missing)
+    code = bm.main(["--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1
+    assert err.startswith("error: The embedded smollm2 draft is not installed") and "\n" not in err
+    assert str(missing) in err
 
 
 def test_bad_jsonl(tmp_path):

@@ -1,0 +1,131 @@
+"""Make the embedded DFlash draft for SmolLM2-135M-Instruct: `make smollm2-draft`.
+
+Stages (``--stages``, comma-separated, run in this order):
+
+- ``prompts``: ``--prompts`` instruction prompts from :mod:`.prompts` (seeded);
+- ``regen``: the target answers each one greedily (``--regen-tokens`` at
+  most); answers are kept in the work folder as they finish, so an
+  interrupted run loses none and a rerun only makes the missing ones;
+- ``train``: train the draft (``--minutes``) on prompt + answer sequences.
+  Target features are computed once and kept in the work folder; with
+  ``--init DRAFT`` training continues from an earlier draft (a new stage);
+- ``install``: copy the draft into the package (float16 weights);
+- ``eval``: greedy tau of the installed draft on the held-out prompts.
+
+Training runs in stages over several sessions; each is recorded in
+STAGES.md next to this file with its command, time and held-out tau.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+DRAFT = HERE / "draft"
+HELDOUT = HERE / "heldout.jsonl"
+POOL = 6000
+
+# The draft's shape and training settings (see STAGES.md for what they gave).
+TRAIN = [
+    "--block-size", "16", "--depth", "3", "--target-layer-ids", "1,8,15,22,29",
+    "--draft-vocab", "8192", "--seq-len", "384", "--anchors", "32", "--batch-size", "4",
+    "--regen-tokens", "256", "--regen-batch", "64", "--eval-prompts", "0",
+]
+
+
+def train_args(work: Path, args) -> list:
+    out = ["--model", "smollm2", "--data", str(work / "prompts.jsonl"), "--out", str(work / "draft"),
+           "--regenerate", *TRAIN, "--lr", str(args.lr), "--seed", str(args.seed)]
+    if args.init:
+        out += ["--init", args.init]
+    return out
+
+
+def install(work: Path, dest: Path = DRAFT) -> float:
+    """Copy the trained draft into ``dest`` with float16 weights; MB written."""
+    import mlx.core as mx
+
+    from ..train import float32_weights
+
+    src = work / "draft"
+    w = float32_weights(src)
+    if w is None:
+        w = mx.load(str(src / "model.safetensors"))
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy2(src / "config.json", tmp / "config.json")
+    mx.save_safetensors(str(tmp / "model.safetensors"), {k: v.astype(mx.float16) for k, v in w.items()},
+                        metadata={"format": "mlx"})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return sum(f.stat().st_size for f in dest.iterdir()) / 1e6
+
+
+def evaluate(n: int, max_tokens: int) -> float:
+    """Greedy tau of the installed draft over the first ``n`` held-out prompts."""
+    from .. import load, load_draft
+    from ..train import evaluate as tau_of
+
+    model, tok = load("smollm2")
+    draft = load_draft(str(DRAFT))
+    rows = [json.loads(l) for l in HELDOUT.read_text().splitlines() if l.strip()][:n]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
+                                       add_generation_prompt=True) for r in rows]
+    return tau_of(model, draft, tok, prompts, draft.block_size, max_tokens)
+
+
+def main(argv=None) -> int:
+    from ..errors import run_command
+    from ..train import main as train_main
+
+    p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
+    p.add_argument("--work", default="build/smollm2", help="Work folder (prompts, answers, features, checkpoints).")
+    p.add_argument("--stages", default="prompts,regen,train,install,eval")
+    p.add_argument("--prompts", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=60.0, help="Training time of the train stage.")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--init", default=None, help="Continue from this draft (a later stage).")
+    p.add_argument("--eval-prompts", type=int, default=48)
+    p.add_argument("--eval-tokens", type=int, default=192)
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    stages = args.stages.split(",")
+
+    def run() -> int:
+        work.mkdir(parents=True, exist_ok=True)
+        if "prompts" in stages:
+            from .prompts import training_prompts
+
+            # The first N of a fixed pool, so a larger N extends a smaller one.
+            rows = training_prompts(max(args.prompts, POOL), args.seed)[: args.prompts]
+            (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if "regen" in stages:
+            code = train_main(train_args(work, args) + ["--prepare-only"])
+            if code:
+                return code
+        if "train" in stages:
+            tic = time.perf_counter()
+            code = train_main(train_args(work, args) + ["--minutes", str(args.minutes)])
+            if code:
+                return code
+            print(f"train stage: {(time.perf_counter() - tic) / 60:.1f} min", file=sys.stderr)
+        if "install" in stages:
+            print(f"installed {DRAFT}: {install(work):.1f} MB", file=sys.stderr)
+        if "eval" in stages:
+            tau = evaluate(args.eval_prompts, args.eval_tokens)
+            print(f"held-out tau (greedy, {args.eval_prompts} prompts, {args.eval_tokens} tokens): {tau:.2f}")
+        return 0
+
+    return run_command(run)
+
+
+if __name__ == "__main__":
+    from ..blas import preload
+
+    preload("dflash_mlx.smollm2.build", sys.argv[1:])
+    raise SystemExit(main())

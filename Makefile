@@ -1,4 +1,5 @@
-# dflash_mlx: `make demo` runs the embedded demo pair, `make test` runs the tests.
+# dflash_mlx: `make demo` runs SmolLM2-135M-Instruct with its embedded draft,
+# `make test` runs the tests.
 # Both create .venv and install what they need (on Linux also the system
 # OpenBLAS, which makes MLX's CPU backend ~30x faster than its bundled BLAS).
 
@@ -47,7 +48,16 @@ bench: install
 _bench:
 	$(RUN) -m dflash_mlx.benchmark --out bench_out/results.json $(BENCH_ARGS)
 
-# Rebuild the embedded demo pair from scratch (~2.5 h on 2 cores);
+# Rebuild the embedded SmolLM2 draft (stages and timings: dflash_mlx/smollm2/STAGES.md);
+# SMOLLM2_ARGS="--stages train --minutes 30 --init dflash_mlx/smollm2/draft" adds a stage.
+.PHONY: smollm2-draft _smollm2-draft
+smollm2-draft: install
+	$(MAKE) --no-print-directory _smollm2-draft
+
+_smollm2-draft:
+	$(RUN) -m dflash_mlx.smollm2.build $(SMOLLM2_ARGS)
+
+# Rebuild the toy demo pair (a test fixture) from scratch (~2.5 h on 2 cores);
 # DEMO_ARGS=--fast for a reduced build.
 .PHONY: demo-pair _demo-pair
 demo-pair: install

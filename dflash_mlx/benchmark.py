@@ -415,7 +415,7 @@ def format_result(r: dict, c: dict) -> str:
     s = r["summary"]
     lines = [
         f"{_temp_label(r)}: {s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
-        f"block {c['block_size']}",
+        f"block {'auto, up to ' if c.get('adaptive') else ''}{c['block_size']}",
         f"{'method':<12}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
     ]
     plain = s["methods"]["plain"]
@@ -527,7 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", default="0,0.7",
                    help="Sampling temperatures, comma-separated, each a full pass (0: greedy, outputs checked; default 0,0.7).")
-    p.add_argument("--block-size", type=int, default=None, help="DFlash block size (default: the draft's).")
+    from .generate import block_size_arg
+
+    p.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed number.")
     p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
@@ -548,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args) -> None:
     for name in ("max_tokens", "max_samples", "block_size", "num_draft_tokens"):
         v = getattr(args, name)
-        if v is not None and v < 1:
+        if isinstance(v, int) and v < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
     parse_temps(args.temp)
     if args.warmup_tokens < 0:
@@ -695,6 +698,7 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
         max_tokens=args.max_tokens,
         temps=parse_temps(args.temp),
         block_size=block,
+        adaptive=not isinstance(args.block_size, int),  # "auto": block_size is the longest round
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens if models.baseline is not None else None,
         chat_template=template,
@@ -747,7 +751,7 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
     models = load_models(paths, is_demo(paths["model"]))
-    block = args.block_size or models.draft.block_size
+    block = args.block_size if isinstance(args.block_size, int) else models.draft.block_size
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
     progress = progress or Progress(sum(len(x.turns) or 1 for x in samples) * len(temps))
     results, done = [], 0

@@ -12,6 +12,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError
 from .loading import check_compatible
+from .policy import Costs, Policy, cached_costs, confidence
 from .rollback import rollback
 from .sampling import Sampler, accepted, greedy, make_sampler, process
 from .target import Target
@@ -27,6 +28,8 @@ class GenerationResponse:
         tokens: The token ids committed this round (an EOS that ends the
             generation included, as mlx-lm reports it).
         accepted: Tokens committed this round, bonus included (1..block size).
+        verified: Tokens the target verified this round (the anchor and the
+            drafts checked; 1 for a plain step, 0 for the prefill's token).
         prompt_tokens, prompt_tps: Prompt length and prefill speed.
         generation_tokens, generation_tps: Tokens generated so far and their
             rate since the first one.
@@ -46,6 +49,7 @@ class GenerationResponse:
     finish_reason: Optional[str] = None
     rounds: int = 0
     committed: int = 0
+    verified: int = 0
     timing: Optional[Dict[str, float]] = None
     logprobs: Optional[mx.array] = field(default=None, repr=False)
     from_draft: bool = False
@@ -76,13 +80,15 @@ def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
 
 def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed):
     trained = draft.block_size if draft is not None else 1
-    if block_size is None:
-        block_size = trained
-    if not isinstance(block_size, int) or block_size < 1:
-        raise GenerationArgumentError(f"block_size must be a positive integer, got {block_size!r}.")
+    if block_size is None or (isinstance(block_size, str) and block_size == "auto"):
+        block_size = "auto" if trained > 1 else 1
+    elif not isinstance(block_size, int) or block_size < 1:
+        raise GenerationArgumentError(
+            f"block_size must be a positive integer or 'auto', got {block_size!r}."
+        )
     if draft is None and block_size > 1:
         raise GenerationArgumentError("block_size > 1 needs a draft; pass one, or block_size=1.")
-    if block_size > trained:
+    if block_size != "auto" and block_size > trained:
         raise GenerationArgumentError(
             f"block_size {block_size} is larger than the draft was trained for "
             f"({trained}); use {trained} or less."
@@ -107,7 +113,7 @@ def stream_generate(
     draft: Optional[DFlashDraft],
     tokenizer,
     prompt: Union[str, List[int], mx.array],
-    block_size: Optional[int] = None,
+    block_size: Union[int, str, None] = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
     sampler: Optional[Sampler] = None,
@@ -119,6 +125,7 @@ def stream_generate(
     prefill_step_size: int = 2048,
     prompt_cache: Optional[list] = None,
     profile: bool = False,
+    costs: Optional[Costs] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per round.
 
@@ -131,8 +138,11 @@ def stream_generate(
         draft: A DFlash draft made for this target (``None`` decodes plainly).
         tokenizer: The target's tokenizer (mlx-lm ``TokenizerWrapper`` or HF).
         prompt: Text, token ids, or an ``mx.array`` of ids.
-        block_size: Tokens per block (anchor included); default the draft's.
-            1 is plain decoding. Larger than the draft's is refused.
+        block_size: Tokens verified per round (anchor included): ``"auto"``
+            (the default, ``None``) chooses each round's length, from plain
+            steps up to the draft's trained block, to be fastest (see
+            :mod:`dflash_mlx.policy`); an integer fixes it, 1 being plain
+            decoding. Larger than the draft's is refused.
         max_tokens: The most tokens to generate.
         temperature: 0 for greedy; else sampling temperature.
         sampler: A custom sampler over log-probability rows [N, V] -> [N];
@@ -146,6 +156,8 @@ def stream_generate(
             in place (after each response it holds every token but the last).
         profile: Synchronise after each phase and report its time in
             ``response.timing`` (slightly slower; for benchmarks).
+        costs: The cost model for ``"auto"``; default measured once for this
+            pair and machine and cached (:func:`dflash_mlx.policy.cached_costs`).
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -154,13 +166,14 @@ def stream_generate(
     if draft is not None:
         check_compatible(draft, model)
     target = Target(model)
+    top = draft.block_size if bs == "auto" else bs
     if min(ids) < 0 or max(ids) >= target.vocab_rows:
         raise GenerationArgumentError(
             f"The prompt holds token ids outside the model's vocabulary (0..{target.vocab_rows - 1})."
         )
     dec = _Decoder(
         target,
-        draft if bs > 1 else None,
+        draft if top > 1 else None,
         sampler or make_sampler(temperature, top_p, min_p, top_k, seed),
         logits_processors,
         prompt_cache,
@@ -173,6 +186,9 @@ def stream_generate(
     history = list(ids)
 
     with wired_limit(model, [generation_stream]):
+        if bs == "auto":
+            with target.lock, mx.stream(generation_stream):
+                dec.policy = Policy(costs or cached_costs(target, draft), top)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -210,13 +226,14 @@ def stream_generate(
                 finish_reason=finish,
                 rounds=dec.rounds,
                 committed=dec.committed,
+                verified=dec.verified,
                 timing=dec.timing,
                 from_draft=len(tokens) > 1,
             )
             if finish:
                 return
             with target.lock, mx.stream(generation_stream):
-                tokens = dec.round(history, min(bs, max_tokens - n))
+                tokens = dec.round(history, min(top, max_tokens - n))
 
 
 class _Decoder:
@@ -236,7 +253,8 @@ class _Decoder:
             self.vocab = mx.array(vocab) if vocab else None
             self.head = target.head_over(self.vocab) if vocab else target.head
         self.pending = None  # target features the draft has not seen yet
-        self.rounds, self.committed, self.timing = 0, 0, None
+        self.policy: Optional[Policy] = None  # chooses each round's length ("auto")
+        self.rounds, self.committed, self.verified, self.timing = 0, 0, 0, None
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -252,38 +270,47 @@ class _Decoder:
         return self.sampler(logp).tolist()
 
     def round(self, history: List[int], length: int) -> List[int]:
-        """Draft ``length - 1`` tokens after the last one, verify them and
-        return the committed tokens (accepted drafts plus the bonus)."""
+        """Draft ``length - 1`` tokens after the last one (with a policy: up
+        to that many, maybe none), verify them and return the committed
+        tokens (accepted drafts plus the bonus)."""
         clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
-        drafting = self.draft is not None and length > 1
-        if drafting:
+        policy, proposal = self.policy, None
+        drafted = self.draft is not None and length > 1 and (policy is None or policy.drafts())
+        if drafted:
             t = self.target
             # The draft always fills the block it was trained on: a shorter
             # block (the last rounds, or a smaller block_size) attends to fewer
             # mask positions and guesses worse; only length - 1 drafts are verified.
             logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, self.head, self.draft.block_size)
+            self.pending = None  # now in the draft's cache
             proposal = mx.argmax(logits[: length - 1], axis=-1)
-            if self.vocab is not None:
-                proposal = self.vocab[proposal]
-            proposal = proposal.astype(anchor.dtype)
-            block = mx.concatenate([anchor, proposal])
-            clock.lap("draft", proposal)
-        else:
-            block = anchor
+            if policy is not None:
+                conf = confidence(logits[: length - 1])
+                mx.eval(proposal, conf)
+                length = policy.length(conf.tolist(), length)
+                proposal = proposal[: length - 1] if length > 1 else None
+            if proposal is not None:
+                if self.vocab is not None:
+                    proposal = self.vocab[proposal]
+                proposal = proposal.astype(anchor.dtype)
+            clock.lap("draft", logits if proposal is None else proposal)
+        block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        out, a = self._choose(logits, history, block, proposal if drafting else None)
+        out, a = self._choose(logits, history, block, proposal)
         rollback(self.cache, tape, a + 1, block.shape[0])
-        if drafting:
-            self.pending = f[:, : a + 1]
-        elif f is not None:
-            self.pending = mx.concatenate([self.pending, f], axis=1)
+        if f is not None:
+            f = f[:, : a + 1]
+            self.pending = f if self.pending is None else mx.concatenate([self.pending, f], axis=1)
         clock.lap("accept", [c.state for c in self.cache])
+        if policy is not None:
+            policy.update(block.shape[0], a, drafted)
         self.timing = clock.laps if self.profile else None
         self.rounds += 1
         self.committed += a + 1
+        self.verified = block.shape[0]
         return out[: a + 1]
 
     def _choose(self, logits, history, block, proposal, exact=False):

@@ -14,8 +14,8 @@ from typing import List, Optional
 from .decoding import GenerationResponse, generate, print_stats, stream_generate
 from .errors import run_command
 
-DEMO = Path(__file__).parent / "demo"
-DEMO_PROMPT = "def binary_search(items, target):\n"
+DEFAULT_MODEL = "smollm2"
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 
 # Drafts shipped inside the package, keyed by the target's short name.
 EMBEDDED = {"smollm2": str(Path(__file__).parent / "smollm2" / "draft")}
@@ -57,12 +57,24 @@ def known_draft(model: str) -> Optional[str]:
     return KNOWN_DRAFTS[best] if best else None
 
 
+def block_size_arg(text: str):
+    """``--block-size`` values: "auto" or an integer (checked when generating)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_mlx.generate",
         description="Generate with DFlash speculative decoding (exactly the target's output, faster).",
     )
-    p.add_argument("--model", help="Target model folder or hub id (default: the embedded demo target).")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="Target: a folder, hub id, .gguf file or a short name (default: smollm2, "
+                        "SmolLM2-135M-Instruct with its embedded draft).")
     p.add_argument("--draft", help="DFlash draft folder or hub id (default: the published draft for --model).")
     p.add_argument("--prompt", "-p", help="The prompt; '-' reads it from stdin.")
     p.add_argument("--system", help="A system message for the chat template.")
@@ -74,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None, help="Block size (default: the draft's; 1 = plain decoding).")
+    p.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="Tokens verified per round: auto (default: chosen each round, from plain steps "
+                        "up to the draft's block, to be fastest), or a fixed number (1 = plain decoding).")
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
         "--compare",
@@ -85,14 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prompt(args, tokenizer, demo: bool) -> str:
+def _prompt(args, tokenizer) -> str:
     text = args.prompt
     if text == "-":
         text = sys.stdin.read()
     if text is None:
-        text = DEMO_PROMPT if demo else "Explain speculative decoding in two sentences."
+        text = DEFAULT_PROMPT
     use_template = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
-    if demo or not use_template:
+    if not use_template:
         if args.system and not use_template:
             raise ValueError("--system needs a tokenizer with a chat template.")
         return text
@@ -102,21 +116,18 @@ def _prompt(args, tokenizer, demo: bool) -> str:
 
 
 def _resolve(args):
-    demo = args.model is None
-    if demo:
-        if not (DEMO / "target" / "config.json").exists():
-            raise FileNotFoundError(
-                "No --model given and the embedded demo pair is not installed; "
-                "pass --model and --draft (or run `make demo-pair`)."
-            )
-        return str(DEMO / "target"), args.draft or str(DEMO / "draft"), True
     draft = args.draft or known_draft(args.model)
     if draft is None and args.block_size != 1:
         raise ValueError(
             f"No --draft given and no published DFlash draft is known for '{args.model}'; "
             "pass --draft (or --block-size 1 for plain decoding)."
         )
-    return args.model, draft, False
+    if args.block_size != 1 and draft in EMBEDDED.values() and not Path(draft, "config.json").exists():
+        raise FileNotFoundError(
+            f"The embedded draft for '{args.model}' is not installed ({draft}); build it with "
+            "`make smollm2-draft`, pass --draft, or use --block-size 1 for plain decoding."
+        )
+    return args.model, draft
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -128,17 +139,18 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(args) -> int:
     from .loading import load, load_draft
 
-    model_path, draft_path, demo = _resolve(args)
+    model_path, draft_path = _resolve(args)
     model, tokenizer = load(model_path)
     draft = None if args.block_size == 1 else load_draft(draft_path)
-    prompt = _prompt(args, tokenizer, demo)
+    prompt = _prompt(args, tokenizer)
     processors = None
     if args.repetition_penalty:
         from mlx_lm.sample_utils import make_logits_processors
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
-    if demo:
-        print(prompt, end="", flush=True)
+    _warm_up(model, draft, tokenizer)
+    if args.prompt is None and not args.quiet:
+        print(f"> {DEFAULT_PROMPT}", flush=True)
     last, text = None, ""
     for last in stream_generate(
         model, draft, tokenizer, prompt,
@@ -155,6 +167,13 @@ def _run(args) -> int:
     if args.compare:
         return _compare(model, tokenizer, prompt, args, processors, last, text)
     return 0
+
+
+def _warm_up(model, draft, tokenizer) -> None:
+    """One tiny generation, so one-time costs (allocation, compiled kernels)
+    are not counted in the reported speeds."""
+    for _ in stream_generate(model, draft, tokenizer, [tokenizer.eos_token_id or 0] * 4, max_tokens=2):
+        pass
 
 
 def _compare(model, tokenizer, prompt, args, processors, last, text) -> int:

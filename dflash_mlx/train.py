@@ -114,6 +114,7 @@ class TrainArgs:
     decode_anchors: bool = False  # train on the blocks decoding would start next
     draft_vocab: int = 0  # propose from the K most frequent target tokens (0: all)
     cache_features: bool = True  # target features computed once, kept in the output folder
+    target_init: bool = False  # draft layers start as copies of the target's last layers
 
 
 def default_gamma(block_size: int) -> float:
@@ -306,6 +307,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         lookup[cfg.draft_vocab] = np.arange(len(cfg.draft_vocab), dtype=np.int32)
     mx.random.seed(a.seed)
     draft = DFlashDraft(cfg)
+    if src is None:
+        _from_target(draft, target, a.target_init)
     if src is not None:
         _check_init(src.config, cfg, a.init)
         draft.update(src.parameters())
@@ -384,6 +387,22 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     bar.close()
     _save(draft, opt, outp, steps)
     return draft
+
+
+def _from_target(draft: DFlashDraft, target: Target, layers: bool) -> None:
+    """Start the output norm (and, with ``layers``, each draft layer) from the
+    target's own: the LM head expects the target's final norm scale, and the
+    target's last layers already work in the residual space the draft writes."""
+    norm = getattr(target.inner, "norm", None)
+    if norm is not None and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight = mx.array(norm.weight)
+    if not layers:
+        return
+    names = dict(tree_flatten(draft.layers[0].parameters()))
+    for d, t in zip(draft.layers, target.layers[-len(draft.layers):]):
+        have = dict(tree_flatten(t.parameters()))
+        d.update(tree_unflatten([(k, mx.array(have[k])) for k, v in names.items()
+                                 if k in have and have[k].shape == v.shape]))
 
 
 def _check_init(have: DFlashConfig, want: DFlashConfig, path: str) -> None:
@@ -530,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="Propose from the K most frequent target tokens of the data only: a "
                         "K-row LM head makes training and drafting cheaper (0: the whole vocabulary).")
+    p.add_argument("--target-init", action="store_true",
+                   help="Start each draft layer as a copy of one of the target's last layers.")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="Recompute target features every step instead of once (saves disk).")
     p.add_argument("--regenerate", action="store_true", help="Train on the target's own greedy continuations.")
@@ -572,7 +593,7 @@ def _run(args) -> int:
         batch_size=args.batch_size, steps=args.steps, epochs=args.epochs, minutes=args.minutes, lr=args.lr,
         gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every, init=args.init,
         decode_anchors=args.decode_anchors, draft_vocab=args.draft_vocab,
-        cache_features=not args.no_feature_cache,
+        cache_features=not args.no_feature_cache, target_init=args.target_init,
     )
     records = read_records(args.data)
     model, tokenizer = load(args.model)

@@ -1,0 +1,278 @@
+"""``block_size="auto"``: how many tokens each decoding round verifies.
+
+A round costs a draft pass (unless it is a plain step) plus a target forward
+over L tokens, and commits E(L) tokens on average. The costs are measured once
+per model pair and machine and cached (:func:`cached_costs`), in units of a
+plain decode step; during a generation the policy reads no clock, so its
+choices, like the output, are reproducible.
+"""
+
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+VERSION = 1  # of the measurement; part of the cache key
+LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
+
+
+@dataclass
+class Costs:
+    """Times of a round's passes in plain decode steps.
+
+    Args:
+        draft: One draft pass over its trained block, confidences included.
+        verify: The target forward (with its token choice and rollback) over
+            L tokens, by L; 1 is a plain step. Other lengths are interpolated.
+    """
+
+    draft: float
+    verify: Dict[int, float]
+
+    def verify_at(self, n: int) -> float:
+        """The verify cost of ``n`` tokens, linear between measured lengths
+        and extrapolated from the last two."""
+        pts = sorted(self.verify.items())
+        if n <= pts[0][0] or len(pts) == 1:
+            return pts[0][1]
+        for (a, ca), (b, cb) in zip(pts, pts[1:]):
+            if n <= b:
+                return ca + (cb - ca) * (n - a) / (b - a)
+        (a, ca), (b, cb) = pts[-2:]
+        return cb + max(cb - ca, 0.0) * (n - b) / (b - a)
+
+    def to_dict(self) -> dict:
+        return {"draft": self.draft, "verify": {str(k): v for k, v in sorted(self.verify.items())}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Costs":
+        """Read :meth:`to_dict`'s output; ValueError if it is not sound."""
+        verify = {int(k): float(v) for k, v in d["verify"].items()}
+        draft = float(d["draft"])
+        values = [draft, *verify.values()]
+        if not verify or min(verify) < 1 or not all(math.isfinite(v) and v >= 0 for v in values):
+            raise ValueError(f"implausible costs {d!r}")
+        return cls(draft, verify)
+
+
+def confidence(logits: mx.array) -> mx.array:
+    """The draft's top probability at each offset, from its logits [N, V]."""
+    logits = logits.astype(mx.float32)
+    return mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+
+
+@dataclass
+class Policy:
+    """Chooses each round's length for one generation.
+
+    Before the draft pass, :meth:`drafts` says whether to run it: yes while
+    recent drafting rounds committed more tokens per unit of cost than plain
+    steps (1 / verify(1)); otherwise take plain steps and probe again after
+    1, 2, 4, ... of them. After the pass, :meth:`length` picks the L that
+    maximises E(L) / (draft + verify(L)), where a draft token's chance of
+    being accepted (given the ones before) is how often guesses of its
+    confidence were accepted in this stretch of drafting, starting from the
+    confidence itself. Each probe starts a fresh stretch.
+
+    Args:
+        costs: The cost model.
+        block_size: The draft's trained block size (the longest round).
+        memory: Decay per drafting round of the acceptance statistics.
+        recent: Decay per drafting round of the tokens and costs that
+            measure drafting's speed.
+        prior: Pseudo-trials behind "acceptance = confidence".
+        max_wait: The longest run of plain steps between probes.
+    """
+
+    costs: Costs
+    block_size: int
+    memory: float = 0.9
+    recent: float = 0.7
+    prior: float = 2.0
+    max_wait: int = 64
+    bins: int = 10
+    made: float = field(init=False, default=0.0)  # tokens of recent drafting rounds
+    spent: float = field(init=False, default=0.0)  # and their cost, in plain steps
+    wait: int = field(init=False, default=0)
+    skip: int = field(init=False, default=0)  # plain steps left before a probe
+    probe: bool = field(init=False, default=True)
+
+    def __post_init__(self):
+        self._reset()
+
+    def _reset(self):
+        self.hits, self.trials = [0.0] * self.bins, [0.0] * self.bins  # by confidence bin
+        self._seen: List[float] = []
+
+    def drafts(self) -> bool:
+        """Whether this round runs the draft (else it is a plain step)."""
+        return self.skip == 0
+
+    def chance(self, c: float) -> float:
+        """The estimated acceptance chance of a guess of confidence ``c``."""
+        b = min(int(c * self.bins), self.bins - 1)
+        return (self.hits[b] + self.prior * c) / (self.trials[b] + self.prior)
+
+    def length(self, conf: List[float], limit: int) -> int:
+        """Tokens to verify (1..``limit``) after a draft pass whose top
+        probabilities at offsets 1..limit-1 are ``conf``."""
+        if self.probe:
+            self._reset()
+        draft, best, top, reach, expected = self.costs.draft, 1, -1.0, 1.0, 1.0
+        for n in range(1, limit + 1):
+            if n > 1:
+                reach *= self.chance(conf[n - 2])
+                expected += reach
+            score = expected / (draft + self.costs.verify_at(n))
+            if score > top:
+                best, top = n, score
+        self._seen = list(conf[: best - 1])
+        return best
+
+    def update(self, verified: int, accepted: int, drafted: bool) -> None:
+        """Learn from a round that verified ``verified`` tokens and accepted
+        ``accepted`` drafts, after a draft pass or not."""
+        if not drafted:
+            self.skip = max(self.skip - 1, 0)
+            return
+        self.hits = [h * self.memory for h in self.hits]
+        self.trials = [t * self.memory for t in self.trials]
+        for i, c in enumerate(self._seen[: accepted + 1]):
+            b = min(int(c * self.bins), self.bins - 1)
+            self.hits[b] += i < accepted
+            self.trials[b] += 1
+        keep = 0.0 if self.probe else self.recent
+        self.made = keep * self.made + accepted + 1
+        self.spent = keep * self.spent + self.costs.draft + self.costs.verify_at(verified)
+        # Plain decoding makes 1 token per verify(1).
+        self.probe = self.made * self.costs.verify_at(1) < self.spent
+        if self.probe:
+            self.wait = min(max(1, 2 * self.wait), self.max_wait)
+            self.skip = self.wait
+        else:
+            self.wait = 0
+
+
+# ------------------------------------------------------------ calibration
+
+
+def measure_costs(target, draft, budget: float = 2.0, reps: int = 5) -> Costs:
+    """Time verify forwards of a few lengths and a draft pass on a throwaway
+    cache, as a round runs them (token choice, rollback, synchronisation);
+    the fastest of up to ``reps`` runs each, within about ``budget`` seconds."""
+    from .rollback import rollback
+    from .sampling import greedy
+
+    ids = draft.config.target_layer_ids
+    cache, dcache = target.make_cache(), draft.make_cache()
+    vocab = draft.config.draft_vocab
+    head = target.head_over(mx.array(vocab)) if vocab else target.head
+    bs = draft.block_size
+    _, feats, _ = target.forward(mx.arange(32) % target.vocab_rows, cache, ids)
+    mx.eval(feats, [c.state for c in cache])
+    new = [feats]
+
+    def verify(n):
+        logits, f, tape = target.forward(mx.ones((n,), mx.int32), cache, ids, True)
+        greedy(logits)[0].tolist()
+        rollback(cache, tape, 1, n)
+        mx.eval(f, [c.state for c in cache])
+
+    def propose():
+        logits = draft.propose(mx.ones((1,), mx.int32), new[0], dcache, target.embed, head, bs)
+        mx.eval(mx.argmax(logits, axis=-1), confidence(logits))
+        new[0] = feats[:, -1:]
+
+    ops = {n: (lambda n=n: verify(n)) for n in sorted({*(L for L in LENGTHS if L <= bs), bs})}
+    ops["draft"] = propose
+    best = {}
+    start = time.perf_counter()
+    for r in range(reps + 1):  # the first round warms up
+        for k, op in ops.items():
+            tic = time.perf_counter()
+            op()
+            if r:
+                best[k] = min(best.get(k, math.inf), time.perf_counter() - tic)
+        if r >= 2 and time.perf_counter() - start > budget:
+            break
+    unit = best[1]
+    verify_costs, last = {}, 0.0
+    for n in sorted(k for k in best if k != "draft"):
+        last = max(last, best[n] / unit)  # timing noise must not make longer cheaper
+        verify_costs[n] = last
+    return Costs(best["draft"] / unit, verify_costs)
+
+
+def cache_key(target, draft) -> dict:
+    """What the costs depend on: both models' shapes and configs, the device,
+    the platform and the library versions."""
+    import mlx_lm
+
+    model = target.model
+    args = getattr(model, "args", None)
+    args = asdict(args) if is_dataclass(args) else getattr(args, "__dict__", None)
+    shapes = [
+        [(k, v.shape, str(v.dtype)) for k, v in tree_flatten(m.parameters())] for m in (model, draft)
+    ]
+    config = json.dumps([args, draft.config.to_dict(), shapes], default=str, sort_keys=True)
+    return {
+        "version": VERSION,
+        "model": type(model).__module__,
+        "models": hashlib.sha256(config.encode()).hexdigest(),
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "openblas": "openblas" in os.environ.get("LD_PRELOAD", ""),
+    }
+
+
+def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
+    """The cost model of this pair on this machine: read from
+    ``<root>/costs/`` (default :func:`dflash_mlx.gguf.cache_root`), or
+    measured (a second or two) and saved. An unreadable file is measured
+    again, with a warning."""
+    from .gguf import cache_root
+
+    key = cache_key(target, draft)
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = Path(root or cache_root()) / "costs" / f"{name}.json"
+    if path.exists():
+        try:
+            d = json.loads(path.read_text())
+            if d.get("key") != key:
+                raise ValueError("it was made for other models or another machine")
+            return Costs.from_dict(d)
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+            warnings.warn(f"Ignoring the unreadable cost cache {path} ({e}); measuring again.")
+    costs = measure_costs(target, draft)
+    try:
+        _write(path, {"key": key, **costs.to_dict()})
+    except OSError as e:
+        warnings.warn(f"Could not save the cost cache {path} ({e}).")
+    return costs
+
+
+def _write(path: Path, data: dict) -> None:
+    """Write JSON atomically: readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

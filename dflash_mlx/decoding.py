@@ -160,6 +160,8 @@ def stream_generate(
             pair and machine and cached (:func:`dflash_mlx.policy.cached_costs`).
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
+    if costs is not None and not isinstance(costs, Costs):
+        raise GenerationArgumentError(f"costs must be a dflash_mlx.policy.Costs, got {type(costs).__name__}.")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)

@@ -148,7 +148,7 @@ def _run(args) -> int:
         from mlx_lm.sample_utils import make_logits_processors
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
-    _warm_up(model, draft, tokenizer)
+    _warm_up(model, draft, tokenizer, args.block_size)
     if args.prompt is None and not args.quiet:
         print(f"> {DEFAULT_PROMPT}", flush=True)
     last, text = None, ""
@@ -169,10 +169,12 @@ def _run(args) -> int:
     return 0
 
 
-def _warm_up(model, draft, tokenizer) -> None:
-    """One tiny generation, so one-time costs (allocation, compiled kernels)
-    are not counted in the reported speeds."""
-    for _ in stream_generate(model, draft, tokenizer, [tokenizer.eos_token_id or 0] * 4, max_tokens=2):
+def _warm_up(model, draft, tokenizer, block_size) -> None:
+    """One tiny generation, so one-time costs (allocation, compiled kernels,
+    the first measurement of the costs "auto" uses) are not counted in the
+    reported speeds."""
+    ids = [tokenizer.eos_token_id or 0] * 4
+    for _ in stream_generate(model, draft, tokenizer, ids, block_size=block_size, max_tokens=2):
         pass
 
 

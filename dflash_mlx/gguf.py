@@ -49,7 +49,7 @@ PRE = ("smollm", "gpt-2", "default") + tuple(SPLITS)
 
 
 def cache_root() -> Path:
-    """Where converted models live: $DFLASH_MLX_CACHE or ~/.cache/dflash_mlx."""
+    """Where converted models and measured costs live: $DFLASH_MLX_CACHE or ~/.cache/dflash_mlx."""
     env = os.environ.get("DFLASH_MLX_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash_mlx"
 

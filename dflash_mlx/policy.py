@@ -12,8 +12,8 @@ import json
 import math
 import os
 import platform
-import tempfile
 import time
+import uuid
 import warnings
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
@@ -39,6 +39,12 @@ class Costs:
     draft: float
     verify: Dict[int, float]
 
+    def __post_init__(self):
+        ok = self.verify and all(isinstance(k, int) and k >= 1 for k in self.verify)
+        ok = ok and math.isfinite(self.draft) and self.draft >= 0
+        if not (ok and all(math.isfinite(v) and v > 0 for v in self.verify.values())):
+            raise ValueError(f"implausible costs: draft {self.draft!r}, verify {self.verify!r}")
+
     def verify_at(self, n: int) -> float:
         """The verify cost of ``n`` tokens, linear between measured lengths
         and extrapolated from the last two."""
@@ -57,12 +63,7 @@ class Costs:
     @classmethod
     def from_dict(cls, d: dict) -> "Costs":
         """Read :meth:`to_dict`'s output; ValueError if it is not sound."""
-        verify = {int(k): float(v) for k, v in d["verify"].items()}
-        draft = float(d["draft"])
-        values = [draft, *verify.values()]
-        if not verify or min(verify) < 1 or not all(math.isfinite(v) and v >= 0 for v in values):
-            raise ValueError(f"implausible costs {d!r}")
-        return cls(draft, verify)
+        return cls(float(d["draft"]), {int(k): float(v) for k, v in d["verify"].items()})
 
 
 def confidence(logits: mx.array) -> mx.array:
@@ -92,6 +93,7 @@ class Policy:
             measure drafting's speed.
         prior: Pseudo-trials behind "acceptance = confidence".
         max_wait: The longest run of plain steps between probes.
+        bins: Confidence bins of the acceptance statistics.
     """
 
     costs: Costs
@@ -166,7 +168,7 @@ class Policy:
 # ------------------------------------------------------------ calibration
 
 
-def measure_costs(target, draft, budget: float = 2.0, reps: int = 5) -> Costs:
+def measure_costs(target, draft, budget: float = 1.5, reps: int = 5) -> Costs:
     """Time verify forwards of a few lengths and a draft pass on a throwaway
     cache, as a round runs them (token choice, rollback, synchronisation);
     the fastest of up to ``reps`` runs each, within about ``budget`` seconds."""
@@ -268,11 +270,11 @@ def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
 def _write(path: Path, data: dict) -> None:
     """Write JSON atomically: readers see the old file or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "x") as f:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise

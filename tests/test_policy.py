@@ -1,0 +1,224 @@
+"""block_size="auto": each round's length is chosen by dflash_mlx.policy. The
+output stays exactly the target's; the choices follow the cost model and the
+draft's record, and the cost model is measured once and cached."""
+
+import json
+import warnings
+
+import pytest
+
+from conftest import ARCHS
+from dflash_mlx import GenerationArgumentError, stream_generate
+from dflash_mlx import policy as pol
+from dflash_mlx.policy import Costs, Policy
+from dflash_mlx.target import Target
+from test_sampling import TEMP, TOP_K, target_law, tv
+from util import mlx_run, mlx_tokens, runs
+
+PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n"]
+# Drafting costs something: a draft pass is 0.3 plain steps, 16 tokens 1.5.
+COSTS = Costs(draft=0.3, verify={1: 1.0, 16: 1.5})
+
+
+def auto_run(model, draft, tok, prompt, **kw):
+    """(tokens, text, rounds): each round as (verified, accepted, drafted),
+    drafted meaning a draft pass ran."""
+    calls, propose = [0], draft.propose
+    draft.propose = lambda *a: calls.__setitem__(0, calls[0] + 1) or propose(*a)
+    tokens, text, rounds, seen = [], "", [], 0
+    try:
+        for r in stream_generate(model, draft, tok, prompt, **{"block_size": "auto", **kw}):
+            tokens += r.tokens
+            text += r.text
+            if r.rounds:
+                rounds.append((r.verified, r.accepted, calls[0] > seen))
+            seen = calls[0]
+    finally:
+        del draft.propose
+    return tokens, text, rounds
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_auto_is_lossless(arch, loaded, draft_for):
+    """An echo draft is right along runs of its token and wrong elsewhere:
+    auto drafts in runs and backs off to plain steps outside; a random draft
+    mostly gets plain steps. Every output is the target's."""
+    model, tok, folder = loaded(arch, tied=True)
+    plain = gained = False
+    for prompt in PROMPTS[:2]:
+        ref, text = mlx_run(model, tok, prompt, 60)
+        drafts = [draft_for(folder)] + [draft_for(folder, mask_token_id=t, echo=True) for t in runs(ref)[:1]]
+        for draft in drafts:
+            out, got, rounds = auto_run(model, draft, tok, prompt, max_tokens=60, costs=COSTS)
+            assert out == ref and got == text, (arch, prompt)
+            for verified, accepted, drafted in rounds:
+                assert 1 <= accepted <= verified <= draft.block_size
+                assert drafted or verified == 1
+                plain |= not drafted
+                gained |= accepted > 1
+    assert plain and gained
+
+
+def test_useless_draft_takes_plain_steps(loaded, draft_for):
+    """Random draft weights, drafting not free: after the first failed
+    rounds, plain steps, with probes at growing intervals."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    prompt = PROMPTS[0]
+    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=80, costs=COSTS)
+    assert out == mlx_tokens(model, tok, prompt, 80)
+    probes = [i for i, r in enumerate(rounds) if r[2]]
+    assert len(probes) <= 8 and len(rounds) > 60
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= 16, gaps
+    assert all(v == 1 for v, _, d in rounds if not d)
+
+
+def test_right_draft_takes_full_blocks(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, "class A:\n", 60)
+    assert len(set(ref)) == 1, "the tiny target no longer repeats one token here"
+    draft = draft_for(folder, mask_token_id=ref[0], echo=True)
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=60, costs=COSTS)
+    assert out == ref
+    # 1 token from the prefill, then full blocks up to the max_tokens cut.
+    assert rounds == [(16, 16, True)] * 3 + [(11, 11, True)]
+
+
+def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
+    """The echo token only starts repeating after a while: plain steps with
+    probes first, then full blocks once a probe finds the draft right."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = "import os\n"
+    ref = mlx_tokens(model, tok, prompt, 60)
+    late = runs(ref)[-1]
+    start = ref.index(late)
+    assert start > 8 and set(ref[start:]) == {late}
+    draft = draft_for(folder, mask_token_id=late, echo=True)
+    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=60, costs=COSTS)
+    assert out == ref
+    first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)
+    assert any(not d for _, _, d in rounds[:first])
+    assert rounds[first] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
+
+
+def test_expensive_verify_gives_short_rounds(loaded, draft_for):
+    """Verify cost growing with length (a CPU without a fast BLAS): a right
+    but unsure draft is verified a few tokens at a time."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, "class A:\n", 40)
+    draft = draft_for(folder, mask_token_id=ref[0], echo=True)
+    steep = Costs(draft=0.5, verify={1: 1.0, 2: 2.0, 16: 16.0})
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=40, costs=steep)
+    assert out == ref
+    assert max(v for v, _, _ in rounds) < 16
+
+
+def test_auto_sampling_is_reproducible(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    draft = draft_for(folder, mask_token_id=mlx_tokens(model, tok, "class A:\n", 1)[0], echo=True)
+    kw = dict(max_tokens=30, temperature=0.3, top_p=0.95, costs=COSTS)
+    a, _, ra = auto_run(model, draft, tok, "class A:\n", seed=3, **kw)
+    b, _, rb = auto_run(model, draft, tok, "class A:\n", seed=3, **kw)
+    c, _, _ = auto_run(model, draft, tok, "class A:\n", seed=4, **kw)
+    assert (a, ra) == (b, rb) and a != c
+    assert any(acc > 1 for _, acc, _ in ra)
+
+
+def test_auto_sampling_follows_the_target_law(loaded, draft_for):
+    """Three tokens at temperature 1, top-k 3: the prefill's token, then a
+    round verifying 2 tokens (the echo draft is sure), and after a rejection
+    a plain step. The seeds are fixed, so the distance is too."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = tok.encode("import os\n")
+    law = target_law(model, prompt)
+    draft = draft_for(folder, mask_token_id=max(law, key=law.get)[1], echo=True)
+    counts, verified, draws = {}, set(), 600
+    for seed in range(draws):
+        out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=3, temperature=TEMP,
+                                  top_k=TOP_K, seed=seed, costs=COSTS)
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+        verified |= {v for v, _, _ in rounds}
+    assert verified == {1, 2}  # drafted rounds, and plain steps after a rejection
+    assert tv(law, counts, draws) < 0.1
+
+
+def test_block_size_arguments(loaded, draft_for):
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    for bad in ("fast", "AUTO", 2.5):
+        with pytest.raises(GenerationArgumentError, match="block_size"):
+            next(stream_generate(model, draft, tok, "import os\n", block_size=bad))
+    with pytest.raises(GenerationArgumentError, match="costs"):
+        next(stream_generate(model, draft, tok, "import os\n", costs={1: 1.0}))
+    for draft_cost, verify in ((-1.0, {1: 1.0}), (0.5, {}), (0.5, {0: 1.0}), (0.5, {1: 0.0})):
+        with pytest.raises(ValueError, match="implausible costs"):
+            Costs(draft_cost, verify)
+    ref = mlx_tokens(model, tok, "import os\n", 20)
+    for bs in (None, "auto"):
+        out, _, rounds = auto_run(model, draft, tok, "import os\n", block_size=bs, max_tokens=20, costs=COSTS)
+        assert out == ref and {d for _, _, d in rounds} == {True, False}
+    # An integer block size drafts and verifies that many every round.
+    out, _, rounds = auto_run(model, draft, tok, "import os\n", block_size=4, max_tokens=20, costs=COSTS)
+    assert out == ref
+    done = 1  # the prefill's token
+    for verified, accepted, drafted in rounds:
+        assert verified == min(4, 20 - done) and drafted == (verified > 1)
+        done += accepted
+
+
+def test_cli_parsers_accept_auto():
+    from dflash_mlx import benchmark
+    from dflash_mlx.generate import build_parser
+
+    for parser in (build_parser(), benchmark.build_parser()):
+        assert parser.parse_args([]).block_size == "auto"
+        assert parser.parse_args(["--block-size", "auto"]).block_size == "auto"
+        assert parser.parse_args(["--block-size", "4"]).block_size == 4
+
+
+def test_policy_rule():
+    conf = [0.95] * 15
+    assert Policy(COSTS, 16).length(conf, 16) == 16
+    assert Policy(COSTS, 16).length(conf, 5) == 5
+    steep = Costs(draft=0.5, verify={1: 1.0, 16: 16.0})
+    assert steep.verify_at(4) == 4.0 and steep.verify_at(20) == 20.0
+    assert 1 < Policy(steep, 16).length(conf, 16) < 8
+    assert Policy(COSTS, 16).length([0.01] * 15, 16) <= 2
+    p, waits = Policy(COSTS, 16), []
+    for _ in range(36):  # a draft that is never right: back off 1, 2, 4, ...
+        if p.drafts():
+            p.update(p.length([0.9] * 15, 16), 0, True)
+            waits.append(p.wait)
+        else:
+            p.update(1, 0, False)
+    assert waits == [1, 2, 4, 8, 16] and p.drafts()
+    p.update(p.length([0.9] * 15, 16), 15, True)  # right again: draft every round
+    assert p.wait == 0 and p.drafts() and p.length([0.9] * 15, 16) == 16
+
+
+def test_costs_are_measured_once_and_cached(loaded, draft_for, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    measured, real = [], pol.measure_costs
+    monkeypatch.setattr(pol, "measure_costs", lambda *a, **k: measured.append(1) or real(*a, **k))
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    first = pol.cached_costs(Target(model), draft)
+    assert first.verify[1] == 1.0 and set(first.verify) == {1, 2, 4, 8, 16} and first.draft > 0
+    (path,) = (tmp_path / "costs").glob("*.json")
+    stamp = path.stat().st_mtime_ns
+    assert pol.cached_costs(Target(model), draft) == first
+    ref = mlx_tokens(model, tok, "import os\n", 10)
+    assert auto_run(model, draft, tok, "import os\n", max_tokens=10)[0] == ref
+    assert measured == [1] and path.stat().st_mtime_ns == stamp
+
+    for bad in ("{not json", json.dumps({"key": json.loads(path.read_text())["key"], "draft": -1, "verify": {}})):
+        path.write_text(bad)
+        with pytest.warns(UserWarning, match="unreadable cost cache"):
+            again = pol.cached_costs(Target(model), draft)
+        assert set(again.verify) == set(first.verify)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert pol.cached_costs(Target(model), draft) == again  # the file was rewritten
+    assert len(measured) == 3
+    assert not list((tmp_path / "costs").glob("*.tmp"))

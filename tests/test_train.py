@@ -127,7 +127,7 @@ def test_next_anchors_are_where_decoding_goes_next():
     draft = load_draft(str(DEMO / "draft"))
     prompt = json.loads((DEMO / "prompts.jsonl").read_text().splitlines()[0])["prompt"]
     ids, gen, starts = tok.encode(prompt), [], []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=96):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=96, block_size=draft.block_size):
         starts.append(len(ids) + len(gen) + len(r.tokens) - 1)
         gen += r.tokens
     full = ids + gen

@@ -12,7 +12,7 @@ from .errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from .decoding import GenerationResponse, generate, stream_generate
+from .decoding import DraftCache, GenerationResponse, generate, stream_generate
 from .loading import check_compatible, load, load_draft, save_draft
 
 __version__ = "0.1.0"

@@ -61,6 +61,32 @@ class GenerationResponse:
         return self.committed / self.rounds if self.rounds else 0.0
 
 
+class DraftCache:
+    """The draft's side of a prompt cache: its context K/V cache and the
+    target features it has not read yet. Pass one with ``prompt_cache`` to
+    :func:`stream_generate` so a continued conversation keeps the draft's
+    context (higher acceptance); it always covers as many tokens as the target
+    cache, and must be trimmed with it (:meth:`trim`)."""
+
+    def __init__(self, draft: DFlashDraft):
+        self.cache = draft.make_cache()
+        self.pending: Optional[mx.array] = None
+
+    @property
+    def size(self) -> int:
+        """Tokens covered: read into the cache or pending."""
+        return self.cache[0].offset + (self.pending.shape[1] if self.pending is not None else 0)
+
+    def trim(self, n: int) -> None:
+        """Forget the last ``n`` tokens."""
+        if self.pending is not None and n > 0:
+            keep = max(self.pending.shape[1] - n, 0)
+            n -= self.pending.shape[1] - keep
+            self.pending = self.pending[:, :keep] if keep else None
+        for c in self.cache:
+            c.trim(n)
+
+
 def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
     if isinstance(prompt, str):
         if not prompt:
@@ -124,6 +150,7 @@ def stream_generate(
     seed: Optional[int] = None,
     prefill_step_size: int = 2048,
     prompt_cache: Optional[list] = None,
+    draft_cache: Optional[DraftCache] = None,
     profile: bool = False,
     costs: Optional[Costs] = None,
 ) -> Generator[GenerationResponse, None, None]:
@@ -154,6 +181,9 @@ def stream_generate(
         prompt_cache: A target cache from ``mlx_lm.models.cache.make_prompt_cache``
             holding earlier turns; the prompt continues it, and it is updated
             in place (after each response it holds every token but the last).
+        draft_cache: With ``prompt_cache``, the draft's context for the same
+            tokens (a :class:`DraftCache`), updated in place; without it the
+            draft starts from the new tokens only (lower acceptance, same text).
         profile: Synchronise after each phase and report its time in
             ``response.timing`` (slightly slower; for benchmarks).
         costs: The cost model for ``"auto"``; default measured once for this
@@ -173,6 +203,10 @@ def stream_generate(
         raise GenerationArgumentError(
             f"The prompt holds token ids outside the model's vocabulary (0..{target.vocab_rows - 1})."
         )
+    if draft_cache is not None and (prompt_cache is None or top == 1):
+        raise GenerationArgumentError(
+            "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
+        )
     dec = _Decoder(
         target,
         draft if top > 1 else None,
@@ -180,6 +214,7 @@ def stream_generate(
         logits_processors,
         prompt_cache,
         profile,
+        draft_cache,
         greedy=sampler is None and temperature == 0,
     )
     eos = set(tokenizer.eos_token_ids)
@@ -241,7 +276,7 @@ def stream_generate(
 class _Decoder:
     """The target, the draft and their caches for one generation."""
 
-    def __init__(self, target, draft, sampler, processors, cache, profile, greedy=False):
+    def __init__(self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False):
         self.target, self.draft = target, draft
         self.sampler, self.processors, self.profile = sampler, processors, profile
         self.fast = greedy and not processors
@@ -249,12 +284,12 @@ class _Decoder:
         self.layer_ids = draft.config.target_layer_ids if draft is not None else []
         if draft is not None:
             target.check_rollback(self.cache)
-            self.dcache = draft.make_cache()
+            self.dstate = dstate if dstate is not None else DraftCache(draft)
+            self.dcache = self.dstate.cache
             # A draft with its own (smaller) vocabulary proposes from those rows only.
             vocab = draft.config.draft_vocab
             self.vocab = mx.array(vocab) if vocab else None
             self.head = target.head_over(self.vocab) if vocab else target.head
-        self.pending = None  # target features the draft has not seen yet
         self.policy: Optional[Policy] = None  # chooses each round's length ("auto")
         self.rounds, self.committed, self.verified, self.timing = 0, 0, 0, None
 
@@ -267,7 +302,8 @@ class _Decoder:
             if i + step < len(ids):
                 mx.eval([c.state for c in self.cache] + feats)
         if feats:
-            self.pending = mx.concatenate(feats, axis=1)
+            f = mx.concatenate(feats, axis=1)
+            self.pending = f if self.pending is None else mx.concatenate([self.pending, f], axis=1)
         logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
         return self.sampler(logp).tolist()
 
@@ -329,6 +365,16 @@ class _Decoder:
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         return out, out[block.shape[0]]
+
+    @property
+    def pending(self) -> Optional[mx.array]:
+        """Target features the draft has not seen yet."""
+        return self.dstate.pending if self.draft is not None else None
+
+    @pending.setter
+    def pending(self, value) -> None:
+        if self.draft is not None:
+            self.dstate.pending = value
 
 
 class _Clock:

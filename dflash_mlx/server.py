@@ -1,0 +1,560 @@
+"""`python -m dflash_mlx.server`: an OpenAI-compatible HTTP server for DFlash.
+
+Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` and
+``POST /v1/chat/completions`` (also without ``/v1``), as JSON or as server-sent
+events (``stream: true``). Every answer is produced by :func:`stream_generate`,
+so it is exactly the target's own output. Besides the OpenAI fields a response
+carries ``"dflash": {"mean_accepted", "rounds", "generation_tps", "prompt_tps"}``.
+
+One generation runs at a time (requests wait in arrival order); a client that
+disconnects stops its generation. The caches of recent conversations (the
+target's and the draft's context) are kept in a small LRU: a prompt that shares
+a cached token prefix only prefills its new tokens (reported as
+``usage.prompt_tokens_details.cached_tokens``), with the same output as a fresh
+run. Seeded sampling always starts fresh, so a seed always gives the same text.
+"""
+
+import argparse
+import collections
+import itertools
+import json
+import logging
+import select
+import socket
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .decoding import DraftCache
+from .errors import DFlashError, run_command
+from .target import Target
+
+log = logging.getLogger("dflash_mlx.server")
+
+
+class ApiError(Exception):
+    """A request the server refuses, with its HTTP status and OpenAI error fields."""
+
+    def __init__(self, message, param=None, status=400, code=None, kind="invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class FifoLock:
+    """A lock granted in the order it was asked for."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue = collections.deque()
+        self._held = False
+
+    def __enter__(self):
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._held or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._held = True
+
+    def __exit__(self, *exc):
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+class PromptCache:
+    """(target cache, draft cache or None) pairs keyed by the tokens they hold,
+    the least recently used dropped first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.entries = collections.OrderedDict()
+
+    def take(self, ids: List[int]):
+        """(cache, reused) for ``ids``: the entry sharing the longest prefix,
+        removed and cut to at most ``len(ids) - 1`` tokens, or (None, 0)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        best, best_n = None, 0
+        for key, (cache, _) in self.entries.items():
+            n = min(_common(key, ids), len(ids) - 1)
+            if n > best_n and (n == len(key) or can_trim_prompt_cache(cache)):
+                best, best_n = key, n
+        if best is None:
+            return None, 0
+        entry = self.entries.pop(best)
+        if len(best) > best_n:
+            trim_prompt_cache(entry[0], len(best) - best_n)
+            if entry[1] is not None:
+                entry[1].trim(len(best) - best_n)
+        return entry, best_n
+
+    def put(self, key: tuple, entry: tuple) -> None:
+        if self.size <= 0 or not key:
+            return
+        self.entries[key] = entry
+        self.entries.move_to_end(key)
+        while len(self.entries) > self.size:
+            self.entries.popitem(last=False)
+
+
+def _common(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class Request:
+    """One parsed completion request."""
+
+    chat: bool
+    ids: List[int]
+    max_tokens: int
+    sampling: dict
+    stop: List[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+class Served:
+    """The loaded pair, the server's defaults and its shared state."""
+
+    def __init__(self, model, draft, tokenizer, model_id, block_size="auto", temp=0.0, top_p=0.0,
+                 top_k=0, min_p=0.0, max_tokens=512, chat_template_args=None, prompt_cache_size=4):
+        self.model, self.draft, self.tokenizer, self.model_id = model, draft, tokenizer, model_id
+        self.block_size = block_size
+        self.defaults = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=None)
+        self.max_tokens = max_tokens
+        self.chat_template_args = chat_template_args or {}
+        self.cache = PromptCache(prompt_cache_size)
+        self.lock = FifoLock()
+        self.context = _context_length(model)
+        self.vocab = Target(model).vocab_rows
+        self.created = int(time.time())
+
+
+def _context_length(model) -> Optional[int]:
+    args = getattr(model, "args", None)
+    for src in (args, getattr(args, "text_config", None)):
+        src = src if isinstance(src, dict) else vars(src) if src is not None else {}
+        if isinstance(src.get("max_position_embeddings"), int):
+            return src["max_position_embeddings"]
+    return None
+
+
+# ---------------------------------------------------------------- requests
+
+def _number(body, name, default, kind=float, low=None, high=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    ok = (int,) if kind is int else (int, float)
+    if isinstance(v, bool) or not isinstance(v, ok):
+        raise ApiError(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}.", name)
+    if (low is not None and v < low) or (high is not None and v > high):
+        raise ApiError(f"'{name}' is out of range: {v!r}.", name)
+    return v
+
+
+UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
+               "logit_bias": ({},), "logprobs": (False, 0), "tools": ([],), "best_of": (1,)}
+
+
+def parse_request(served: Served, body, chat: bool) -> Request:
+    """Check a request body and turn it into a :class:`Request` (ApiError if bad)."""
+    if not isinstance(body, dict):
+        raise ApiError("The request body must be a JSON object.")
+    name = body.get("model")
+    if name not in (None, "", "default", served.model_id):
+        raise ApiError(f"The model '{name}' is not served here; use '{served.model_id}'.", "model",
+                       404, "model_not_found")
+    if _number(body, "n", 1, int) != 1:
+        raise ApiError("Only n = 1 is supported.", "n")
+    for name, neutral in UNSUPPORTED.items():  # refused rather than silently ignored
+        if body.get(name) not in (None, *neutral):
+            raise ApiError(f"'{name}' is not supported by this server.", name)
+    d = served.defaults
+    sampling = dict(
+        temperature=_number(body, "temperature", d["temperature"], float, 0),
+        top_p=_number(body, "top_p", d["top_p"], float, 0, 1),
+        top_k=_number(body, "top_k", d["top_k"], int, 0),
+        min_p=_number(body, "min_p", d["min_p"], float, 0, 1),
+        seed=_number(body, "seed", None, int),
+    )
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": limit}, "max_tokens", served.max_tokens, int)
+    if max_tokens < 1:
+        raise ApiError(f"'max_tokens' must be at least 1, got {max_tokens}.", "max_tokens")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError("'stop' must be a string or a list of non-empty strings.", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError("'stream' must be true or false.", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError("'stream_options' must be an object.", "stream_options")
+    ids = _chat_ids(served, body) if chat else _prompt_ids(served, body.get("prompt"))
+    if served.context and len(ids) >= served.context:
+        raise ApiError(f"The prompt has {len(ids)} tokens; this model's context is {served.context}.",
+                       "messages" if chat else "prompt", code="context_length_exceeded")
+    if served.context:
+        max_tokens = min(max_tokens, served.context - len(ids))
+    return Request(chat, ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")))
+
+
+def _prompt_ids(served: Served, prompt) -> List[int]:
+    from .decoding import _prompt_ids as encode
+
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+    if not ok or not prompt:
+        raise ApiError("'prompt' must be a non-empty string or list of token ids.", "prompt")
+    ids = encode(served.tokenizer, prompt)
+    if min(ids) < 0 or max(ids) >= served.vocab:
+        raise ApiError("'prompt' holds token ids outside the vocabulary.", "prompt")
+    return ids
+
+
+def _content(m) -> str:
+    c = m.get("content")
+    if c is None or isinstance(c, str):
+        return c or ""
+    if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in c):
+        return "".join(str(p.get("text", "")) for p in c)
+    raise ApiError("A message's 'content' must be a string or a list of text parts.", "messages")
+
+
+def _chat_ids(served: Served, body) -> List[int]:
+    from .decoding import _prompt_ids as encode
+
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise ApiError("'messages' must be a non-empty list of objects with a 'role'.", "messages")
+    tok = served.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ApiError("This model's tokenizer has no chat template; use /v1/completions.", "messages")
+    messages = [dict(m, content=_content(m)) for m in messages]
+    extra = dict(served.chat_template_args)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise ApiError("'chat_template_kwargs' must be an object.", "chat_template_kwargs")
+    extra.update(kwargs)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
+    except Exception as e:  # a template that rejects these messages
+        raise ApiError(f"The chat template failed: {e}", "messages") from None
+    return encode(tok, text)
+
+
+# ---------------------------------------------------------------- generation
+
+@dataclass
+class Outcome:
+    """What a finished (or stopped) generation reports."""
+
+    finish: Optional[str] = None
+    last: object = None
+    cached: int = 0
+
+
+def generate(served: Served, req: Request, out: Outcome):
+    """Yield the text of ``req`` piece by piece (stop strings applied) while
+    holding the model; ``out`` gets the finish reason and statistics."""
+    from .decoding import stream_generate
+
+    with served.lock:
+        # Seeded sampling draws per round, and a reused cache may change the
+        # draft's guesses by rounding: start fresh so a seed always repeats.
+        seeded = req.sampling["seed"] is not None and req.sampling["temperature"] > 0
+        entry, reused = (None, 0) if seeded else served.cache.take(req.ids)
+        out.cached = reused
+        if entry is None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            drafting = served.draft is not None and served.block_size != 1
+            entry = (make_prompt_cache(served.model), DraftCache(served.draft) if drafting else None)
+        tokens, consistent = list(req.ids), False
+        inner = stream_generate(
+            served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
+            max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
+        text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
+        try:
+            while (r := _next(inner)) is not None:
+                consistent, out.last = True, r
+                tokens += r.tokens
+                text += r.text
+                cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    out.finish = "stop"
+                    yield text[sent:cut]
+                    return
+                end = len(text) if r.finish_reason else max(sent, len(text) - hold)
+                piece, sent = text[sent:end], end
+                out.finish = r.finish_reason
+                if piece or r.finish_reason:
+                    yield piece
+                if r.finish_reason:
+                    return
+                consistent = False
+        finally:
+            inner.close()
+            if consistent and out.last is not None:
+                _keep(served, entry, tokens, len(req.ids) + out.last.committed)
+
+
+def _next(inner):
+    """The next response of ``inner`` or None; argument errors become 400 answers."""
+    try:
+        return next(inner, None)
+    except (DFlashError, ValueError) as e:
+        raise ApiError(str(e)) from None
+
+
+def _keep(served: Served, entry: tuple, tokens: List[int], held: int) -> None:
+    """Store ``entry`` (holding ``held`` tokens, the first of ``tokens``)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    cache, dcache = entry
+    if held > len(tokens):  # drafts accepted after an EOS
+        if not can_trim_prompt_cache(cache):
+            return
+        trim_prompt_cache(cache, held - len(tokens))
+        if dcache is not None:
+            dcache.trim(held - len(tokens))
+        held = len(tokens)
+    if dcache is not None and dcache.size != held:  # never expected; stay exact
+        dcache = None
+    # Evaluate here: MLX cannot evaluate another thread's lazy arrays later.
+    arrays = [c.state for c in cache]
+    if dcache is not None:
+        arrays += [c.state for c in dcache.cache if c.keys is not None] + [dcache.pending]
+    mx.eval(arrays)
+    served.cache.put(tuple(tokens[:held]), (cache, dcache))
+
+
+def _usage(req: Request, out: Outcome) -> dict:
+    n = out.last.generation_tokens if out.last is not None else 0
+    return {"prompt_tokens": len(req.ids), "completion_tokens": n, "total_tokens": len(req.ids) + n,
+            "prompt_tokens_details": {"cached_tokens": out.cached}}
+
+
+def _stats(out: Outcome) -> dict:
+    r = out.last
+    if r is None:
+        return {"mean_accepted": 0.0, "rounds": 0}
+    return {"mean_accepted": round(r.mean_accepted, 4), "rounds": r.rounds,
+            "generation_tps": round(r.generation_tps, 3), "prompt_tps": round(r.prompt_tps, 3)}
+
+
+def _choice(req: Request, text, finish, delta=False, first=False) -> dict:
+    if not req.chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if delta:
+        d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish}
+
+
+def _envelope(served: Served, req: Request, rid: str, created: int, chunk=False) -> dict:
+    kind = ("chat.completion" if req.chat else "text_completion") + (".chunk" if chunk and req.chat else "")
+    return {"id": rid, "object": kind, "created": created, "model": served.model_id}
+
+
+# ---------------------------------------------------------------- HTTP
+
+class Handler(BaseHTTPRequestHandler):
+    served: Served = None  # set by make_server
+    server_version = "dflash_mlx"
+
+    def log_message(self, fmt, *args):
+        log.debug("%s " + fmt, self.address_string(), *args)
+
+    def do_GET(self):
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "/health":
+            return self._json(200, {"status": "ok"})
+        if path in ("/v1/models", "/models"):
+            s = self.served
+            return self._json(200, {"object": "list", "data": [
+                {"id": s.model_id, "object": "model", "created": s.created, "owned_by": "dflash_mlx"}]})
+        self._json(404, ApiError(f"Unknown path {path!r}.", status=404, code="not_found").body())
+
+    def do_POST(self):
+        path, self.streaming = self.path.split("?")[0].rstrip("/"), False
+        routes = {"/v1/completions": False, "/completions": False,
+                  "/v1/chat/completions": True, "/chat/completions": True}
+        try:
+            if path not in routes:
+                raise ApiError(f"Unknown path {path!r}.", status=404, code="not_found")
+            req = parse_request(self.served, self._body(), routes[path])
+            self._answer(req)
+        except ApiError as e:
+            log.warning("%s %s -> %d: %s", self.command, path, e.status, e)
+            self._json(e.status, e.body())
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("%s %s: the client went away", self.command, path)
+        except Exception as e:  # never let one request take the server down
+            log.exception("%s %s failed", self.command, path)
+            if getattr(self, "streaming", False):  # a stream had started: just end it
+                return
+            self._json(500, ApiError(f"Internal error: {e}", status=500, kind="server_error").body())
+
+    def _body(self):
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+            return json.loads(self.rfile.read(n) or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(f"The request body is not valid JSON: {e}") from None
+
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _answer(self, req: Request) -> None:
+        s, out = self.served, Outcome()
+        rid = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        pieces = generate(s, req, out)
+        try:
+            first = next(pieces, "")  # errors before any output are still 4xx answers
+            if not req.stream:
+                text = first
+                for piece in pieces:
+                    if self._gone():
+                        log.info("%s: the client went away", rid)
+                        return
+                    text += piece
+                body = dict(_envelope(s, req, rid, created), choices=[_choice(req, text, out.finish)],
+                            usage=_usage(req, out), dflash=_stats(out))
+                self._json(200, body)
+            else:
+                self._stream(req, rid, created, first, pieces, out)
+        finally:
+            pieces.close()  # a disconnected client stops its generation
+        log.info("%s: %d+%d tokens, %s, cached %d, tau %.2f", rid, len(req.ids),
+                 _usage(req, out)["completion_tokens"], out.finish, out.cached, _stats(out)["mean_accepted"])
+
+    def _gone(self) -> bool:
+        """Whether the client closed its connection (it sends nothing more)."""
+        try:
+            ready = select.select([self.connection], [], [], 0)[0]
+            return bool(ready) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+
+    def _stream(self, req, rid, created, first, pieces, out) -> None:
+        s = self.served
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = self.streaming = True
+        base = _envelope(s, req, rid, created, chunk=True)
+        if req.chat:
+            self._event(dict(base, choices=[_choice(req, "", None, True, True)]))
+        for piece in itertools.chain([first], pieces):  # each round's text as it comes
+            if piece:
+                self._event(dict(base, choices=[_choice(req, piece, None, True)]))
+        last = dict(base, choices=[_choice(req, "", out.finish, True)], dflash=_stats(out))
+        if req.include_usage:
+            self._event(last)
+            last = dict(base, choices=[], usage=_usage(req, out))
+        self._event(last)
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def make_server(served: Served, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
+    """An HTTP server for ``served`` (call ``serve_forever``; port 0 picks a free one)."""
+    handler = type("BoundHandler", (Handler,), {"served": served})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    return server
+
+
+# ---------------------------------------------------------------- command line
+
+def build_parser() -> argparse.ArgumentParser:
+    from .generate import DEFAULT_MODEL, block_size_arg
+
+    p = argparse.ArgumentParser(prog="python -m dflash_mlx.server",
+                                description="OpenAI-compatible HTTP server with DFlash speculative decoding.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Target (default: smollm2, with its embedded draft).")
+    p.add_argument("--draft", help="DFlash draft (default: the published draft for --model).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--temp", type=float, default=0.0, help="Default sampling temperature.")
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
+    p.add_argument("--block-size", type=block_size_arg, default="auto")
+    p.add_argument("--chat-template-args", type=json.loads, default={},
+                   help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
+    p.add_argument("--prompt-cache-size", type=int, default=4, help="Conversations whose cache is kept.")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    return run_command(lambda: _run(args))
+
+
+def _run(args) -> int:
+    from .generate import _resolve
+    from .loading import load, load_draft
+
+    if not isinstance(args.chat_template_args, dict):
+        raise ValueError("--chat-template-args must be a JSON object.")
+    model_path, draft_path = _resolve(args)
+    model, tokenizer = load(model_path)
+    draft = None if args.block_size == 1 else load_draft(draft_path)
+    served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
+                    args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size)
+    server = make_server(served, args.host, args.port)
+    log.info("Serving %s on http://%s:%d/v1", args.model, args.host, server.server_address[1])
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    from .blas import preload
+
+    preload("dflash_mlx.server", sys.argv[1:])
+    raise SystemExit(main())

@@ -532,6 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=block_size_arg, default="auto",
                    help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed number.")
     p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
+    p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                   help="Quantize the DFlash draft's linear layers to this many bits at load.")
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
     p.add_argument("--baseline-draft-model", default=None,
@@ -596,12 +598,12 @@ def is_demo(model: str) -> bool:
     return Path(model).expanduser().resolve() == (DEMO / "target").resolve()
 
 
-def load_models(paths: Dict[str, Optional[str]], demo: bool) -> Models:
+def load_models(paths: Dict[str, Optional[str]], demo: bool, draft_bits: Optional[int] = None) -> Models:
     """Load the target, the DFlash draft and the optional baseline draft."""
     from .loading import check_compatible, load, load_draft
 
     model, tokenizer = load(paths["model"])
-    draft = load_draft(paths["draft"])
+    draft = load_draft(paths["draft"], bits=draft_bits)
     check_compatible(draft, model)
     base = paths["baseline_draft_model"]
     baseline = load(base)[0] if base else None
@@ -704,6 +706,7 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
         chat_template=template,
         repetition_penalty=args.repetition_penalty,
         perturb_dflash=args.perturb_dflash,
+        draft_bits=getattr(args, "draft_bits", None),
         warmup_tokens=args.warmup_tokens,
         profile=args.profile,
         timing="decode: first generated token to last (prefill excluded); e2e: call to last token",
@@ -750,7 +753,7 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     temps = parse_temps(args.temp)
     paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
-    models = load_models(paths, is_demo(paths["model"]))
+    models = load_models(paths, is_demo(paths["model"]), getattr(args, "draft_bits", None))
     block = args.block_size if isinstance(args.block_size, int) else models.draft.block_size
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
     progress = progress or Progress(sum(len(x.turns) or 1 for x in samples) * len(temps))
@@ -777,6 +780,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
+    from .distributed import quiet_followers, rank
+
+    quiet_followers()  # launched on several ranks: rank 0 reports, the others follow
+    if rank() != 0:
+        result = benchmark(args, Progress(1, open(os.devnull, "w")))
+        return 0 if result["ok"] else MISMATCH_EXIT
     result = benchmark(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -9,12 +9,23 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .distributed import agree
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs, confidence
 from .rollback import rollback
-from .sampling import Sampler, accepted, greedy, make_sampler, process
+from .sampling import (
+    Keys,
+    Sampler,
+    accepted,
+    greedy,
+    make_distribution,
+    make_sampler,
+    near_top,
+    process,
+    speculative,
+)
 from .target import Target
 
 
@@ -35,6 +46,8 @@ class GenerationResponse:
             rate since the first one.
         peak_memory: Peak MLX memory so far, in GB.
         finish_reason: "stop", "length" or None.
+        exact: False when ``accept_threshold`` let near-top draft tokens in:
+            the output is then not exactly the target's.
     """
 
     text: str
@@ -53,6 +66,7 @@ class GenerationResponse:
     timing: Optional[Dict[str, float]] = None
     logprobs: Optional[mx.array] = field(default=None, repr=False)
     from_draft: bool = False
+    exact: bool = True
 
     @property
     def mean_accepted(self) -> float:
@@ -134,6 +148,26 @@ def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p,
     return block_size
 
 
+def _check_variants(accept_threshold, denoise_steps, proposal, sampler):
+    if accept_threshold is not None and (
+        isinstance(accept_threshold, bool)
+        or not isinstance(accept_threshold, (int, float))
+        or not 0 < accept_threshold <= 1
+    ):
+        raise GenerationArgumentError(
+            f"accept_threshold must be in (0, 1] or None, got {accept_threshold!r}."
+        )
+    if isinstance(denoise_steps, bool) or not isinstance(denoise_steps, int) or denoise_steps < 1:
+        raise GenerationArgumentError(f"denoise_steps must be a positive integer, got {denoise_steps!r}.")
+    if proposal not in ("argmax", "sample"):
+        raise GenerationArgumentError(f"proposal must be 'argmax' or 'sample', got {proposal!r}.")
+    if proposal == "sample" and sampler is not None:
+        raise GenerationArgumentError(
+            "proposal='sample' needs the target's probabilities: use temperature/top_p/top_k/min_p, "
+            "not a custom sampler."
+        )
+
+
 def stream_generate(
     model: nn.Module,
     draft: Optional[DFlashDraft],
@@ -153,6 +187,9 @@ def stream_generate(
     draft_cache: Optional[DraftCache] = None,
     profile: bool = False,
     costs: Optional[Costs] = None,
+    accept_threshold: Optional[float] = None,
+    denoise_steps: int = 1,
+    proposal: str = "argmax",
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per round.
 
@@ -188,8 +225,21 @@ def stream_generate(
             ``response.timing`` (slightly slower; for benchmarks).
         costs: The cost model for ``"auto"``; default measured once for this
             pair and machine and cached (:func:`dflash_mlx.policy.cached_costs`).
+        accept_threshold: ``None`` (exact). A float T in (0, 1] also accepts a
+            draft token whose target probability is at least T times the top
+            one (after temperature and filters; the plain softmax at
+            temperature 0 or with a custom sampler): faster, but the output is
+            no longer the target's (``response.exact`` is False).
+        denoise_steps: Draft passes per round (block-diffusion denoising:
+            after each pass the surest guesses stay, the rest is masked again).
+            The output stays exact.
+        proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
+            draft tokens drawn from the draft's distribution (same temperature
+            and filters as the target) and verified with the p/q rule, still
+            exactly the target's law. Greedy decoding is unchanged.
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
+    _check_variants(accept_threshold, denoise_steps, proposal, sampler)
     if costs is not None and not isinstance(costs, Costs):
         raise GenerationArgumentError(f"costs must be a dflash_mlx.policy.Costs, got {type(costs).__name__}.")
     if not isinstance(tokenizer, TokenizerWrapper):
@@ -216,6 +266,11 @@ def stream_generate(
         profile,
         draft_cache,
         greedy=sampler is None and temperature == 0,
+        threshold=accept_threshold,
+        steps=denoise_steps,
+        dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
+        sampled=proposal == "sample" and sampler is None and temperature > 0,
+        seed=seed,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -225,7 +280,10 @@ def stream_generate(
     with wired_limit(model, [generation_stream]):
         if bs == "auto":
             with target.lock, mx.stream(generation_stream):
-                dec.policy = Policy(costs or cached_costs(target, draft), top)
+                c = costs or cached_costs(target, draft)
+                # The cost model times one draft pass.
+                c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
+                dec.policy = Policy(c, top)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -266,6 +324,7 @@ def stream_generate(
                 verified=dec.verified,
                 timing=dec.timing,
                 from_draft=len(tokens) > 1,
+                exact=accept_threshold is None,
             )
             if finish:
                 return
@@ -276,8 +335,14 @@ def stream_generate(
 class _Decoder:
     """The target, the draft and their caches for one generation."""
 
-    def __init__(self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False):
+    def __init__(
+        self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False,
+        threshold=None, steps=1, dist=None, sampled=False, seed=None,
+    ):
         self.target, self.draft = target, draft
+        self.threshold, self.steps, self.dist = threshold, steps, dist or make_distribution()
+        # Sampled proposals: the draft's and the verifier's own random streams.
+        self.keys = (Keys(seed, 1), Keys(seed, 2)) if sampled else None
         self.sampler, self.processors, self.profile = sampler, processors, profile
         self.fast = greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
@@ -305,7 +370,7 @@ class _Decoder:
             f = mx.concatenate(feats, axis=1)
             self.pending = f if self.pending is None else mx.concatenate([self.pending, f], axis=1)
         logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        return self.sampler(logp).tolist()
+        return agree(self.sampler(logp)).tolist()
 
     def round(self, history: List[int], length: int) -> List[int]:
         """Draft ``length - 1`` tokens after the last one (with a policy: up
@@ -313,22 +378,31 @@ class _Decoder:
         tokens (accepted drafts plus the bonus)."""
         clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
-        policy, proposal = self.policy, None
+        policy, proposal, q = self.policy, None, None
         drafted = self.draft is not None and length > 1 and (policy is None or policy.drafts())
         if drafted:
             t = self.target
             # The draft always fills the block it was trained on: a shorter
             # block (the last rounds, or a smaller block_size) attends to fewer
             # mask positions and guesses worse; only length - 1 drafts are verified.
-            logits = self.draft.propose(anchor, self.pending, self.dcache, t.embed, self.head, self.draft.block_size)
+            kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
+            logits = self.draft.propose(
+                anchor, self.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
+            )
             self.pending = None  # now in the draft's cache
-            proposal = mx.argmax(logits[: length - 1], axis=-1)
+            if self.keys is not None:
+                q = self.dist(process(logits[: length - 1], None, None, None))
+                proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
+            else:
+                proposal = mx.argmax(logits[: length - 1], axis=-1)
             if policy is not None:
                 conf = confidence(logits[: length - 1])
                 mx.eval(proposal, conf)
                 length = policy.length(conf.tolist(), length)
                 proposal = proposal[: length - 1] if length > 1 else None
             if proposal is not None:
+                if self.keys is not None:
+                    q = self._full(q[: length - 1])
                 if self.vocab is not None:
                     proposal = self.vocab[proposal]
                 proposal = proposal.astype(anchor.dtype)
@@ -337,7 +411,7 @@ class _Decoder:
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        out, a = self._choose(logits, history, block, proposal)
+        out, a = self._choose(logits, history, block, proposal, q=q)
         rollback(self.cache, tape, a + 1, block.shape[0])
         if f is not None:
             f = f[:, : a + 1]
@@ -351,20 +425,45 @@ class _Decoder:
         self.verified = block.shape[0]
         return out[: a + 1]
 
-    def _choose(self, logits, history, block, proposal, exact=False):
-        """The target's tokens for the block (then the acceptance count and the
-        fast path's doubt flag, as a list) and how many drafts they accept."""
+    def _choose(self, logits, history, block, proposal, exact=False, q=None):
+        """The tokens for the block (then the acceptance count and the fast
+        path's doubt flag, as a list) and how many drafts they accept: the
+        target's own choices, or with ``q`` (the distributions the drafts were
+        sampled from) the p/q rule's tokens."""
+        seen = mx.array(history[:-1]) if self.processors else None
+        if q is not None and proposal is not None:
+            p = self.dist(process(logits, seen, block, self.processors))
+            near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
+            choice, a = speculative(p, q, proposal, self.keys[1](), near)
+            out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
+            return out, out[block.shape[0]]
+        logp = None
         if self.fast and not exact and logits.dtype == mx.float32:
             choice, unsure = greedy(logits)
         else:
-            seen = mx.array(history[:-1]) if self.processors else None
-            choice, unsure = self.sampler(process(logits, seen, block, self.processors)), mx.array(False)
-        a = accepted(proposal, choice) if proposal is not None else mx.array(0)
+            logp = process(logits, seen, block, self.processors)
+            choice, unsure = self.sampler(logp), mx.array(False)
+        near = None
+        if self.threshold is not None and proposal is not None:
+            # Softmax ignores the shift: raw logits serve on the fast path.
+            near = near_top(self.dist(logits if logp is None else logp), proposal, self.threshold)
+        a = accepted(proposal, choice, near) if proposal is not None else mx.array(0)
+        if near is not None:  # accepted drafts may differ from the target's choices
+            drafts = mx.concatenate([proposal.astype(choice.dtype), choice[-1:]])
+            choice = mx.where(mx.arange(choice.shape[0]) < a, drafts, choice)
         tail = mx.stack([a, unsure]).astype(mx.int32)
-        out = mx.concatenate([choice.astype(mx.int32), tail]).tolist()
+        out = agree(mx.concatenate([choice.astype(mx.int32), tail]), block).tolist()
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         return out, out[block.shape[0]]
+
+    def _full(self, q: mx.array) -> mx.array:
+        """Draft probabilities over the target's vocabulary rows."""
+        if self.vocab is None:
+            return q
+        full = mx.zeros((q.shape[0], self.target.vocab_rows), q.dtype)
+        idx = mx.broadcast_to(self.vocab[None], q.shape)
+        return mx.put_along_axis(full, idx, q, axis=-1)
 
     @property
     def pending(self) -> Optional[mx.array]:

@@ -163,7 +163,9 @@ class DFlashDraft(nn.Module):
         target features. With ``cache`` the features extend the cached context
         and the block sits right after it; without, ``anchors`` gives each
         block's position in the feature sequence (training)."""
-        ctx = self.context(features)
+        # No new features (a later denoising pass): skip fc, whose quantized
+        # matmul cannot take zero rows.
+        ctx = self.context(features) if features.shape[1] else x[:, :0]
         caches = cache if cache is not None else [None] * len(self.layers)
         for layer, c in zip(self.layers, caches):
             x = layer(x, ctx, c, anchors)
@@ -177,10 +179,32 @@ class DFlashDraft(nn.Module):
         embed: Callable[[mx.array], mx.array],
         head: Callable[[mx.array], mx.array],
         block_size: int,
+        steps: int = 1,
+        vocab: Optional[mx.array] = None,
     ) -> mx.array:
         """Logits [block_size - 1, V] for the block after ``anchor`` (a 1-element
-        int array), whose position is the cached context length."""
-        mask = mx.full((block_size - 1,), self.config.mask_token_id, anchor.dtype)
-        block = mx.concatenate([anchor.reshape(1), mask])[None]
-        h = self(embed(block), features, cache)
-        return head(h[:, 1:])[0]
+        int array), whose position is the cached context length.
+
+        With ``steps`` K > 1 the draft denoises the block in K passes: after
+        pass k its surest guesses fill k/K of the positions (the ones kept
+        before stay, their logits too) and the rest are masked again for the
+        next pass. ``vocab`` maps rows of ``head`` to token ids (a draft
+        vocabulary)."""
+        n = block_size - 1
+        mask = mx.full((n,), self.config.mask_token_id, anchor.dtype)
+        tokens, kept, logits = mask, mx.zeros((n,), mx.bool_), None
+        for k in range(1, steps + 1):
+            block = mx.concatenate([anchor.reshape(1), tokens])[None]
+            new = head(self(embed(block), features, cache)[:, 1:])[0]
+            features = features[:, :0]  # read into the cache by the first pass
+            logits = new if logits is None else mx.where(kept[:, None], logits, new)
+            if k == steps:
+                break
+            x = logits.astype(mx.float32)
+            sure = mx.exp(x.max(axis=-1) - mx.logsumexp(x, axis=-1))
+            rank = mx.argsort(mx.argsort(mx.where(kept, -2.0, -sure)))
+            kept = rank < n * k // steps
+            guess = mx.argmax(logits, axis=-1)
+            guess = (vocab[guess] if vocab is not None else guess).astype(anchor.dtype)
+            tokens = mx.where(kept, guess, mask)
+        return logits

@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=block_size_arg, default="auto",
                    help="Tokens verified per round: auto (default: chosen each round, from plain steps "
                         "up to the draft's block, to be fastest), or a fixed number (1 = plain decoding).")
+    p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                   help="Quantize the draft's linear layers to this many bits at load (group size 64).")
+    p.add_argument("--accept-threshold", type=float, default=None, metavar="T",
+                   help="Also accept a draft token whose target probability is >= T x the top one "
+                        "(0 < T <= 1; faster, but the output is no longer exactly the target's).")
+    p.add_argument("--denoise-steps", type=int, default=1, metavar="K",
+                   help="Draft passes per round: after each, keep its surest guesses and re-mask the rest.")
+    p.add_argument("--proposal", choices=("argmax", "sample"), default="argmax",
+                   help="Draft tokens: the draft's argmax, or sampled from it and verified with the "
+                        "p/q rule (temperature > 0).")
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
         "--compare",
@@ -137,11 +147,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
+    from .distributed import quiet_followers
     from .loading import load, load_draft
 
+    quiet_followers()  # launched on several ranks: only rank 0 prints
     model_path, draft_path = _resolve(args)
     model, tokenizer = load(model_path)
-    draft = None if args.block_size == 1 else load_draft(draft_path)
+    draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     prompt = _prompt(args, tokenizer)
     processors = None
     if args.repetition_penalty:
@@ -157,6 +169,7 @@ def _run(args) -> int:
         block_size=args.block_size, max_tokens=args.max_tokens,
         temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed, logits_processors=processors,
+        **_variants(args),
     ):
         print(last.text, end="", flush=True)
         text += last.text
@@ -164,9 +177,21 @@ def _run(args) -> int:
     if not args.quiet:
         print("=" * 10)
         print_stats(last)
+    if not last.exact:
+        print(f"Note: --accept-threshold {args.accept_threshold} accepts near-top draft tokens: "
+              "this is not exactly the target's output.", file=sys.stderr)
     if args.compare:
         return _compare(model, tokenizer, prompt, args, processors, last, text)
     return 0
+
+
+def _variants(args) -> dict:
+    """The stream_generate arguments of the issue #15 flags that differ
+    from their defaults."""
+    kw = {"accept_threshold": args.accept_threshold, "denoise_steps": args.denoise_steps,
+          "proposal": args.proposal}
+    defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": "argmax"}
+    return {k: v for k, v in kw.items() if v != defaults[k]}
 
 
 def _warm_up(model, draft, tokenizer, block_size) -> None:

@@ -11,9 +11,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from . import distributed
 from .config import DFlashConfig
 from .draft import DFlashDraft
 from .errors import (
+    DraftConfigError,
     DraftWeightsError,
     IncompatibleDraftError,
     ModelLoadError,
@@ -86,8 +88,11 @@ def model_folder(name: str):
     return name
 
 
-def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module, object]:
-    """Load a target model and its tokenizer with ``mlx_lm.load``.
+def load(
+    path_or_repo: str, dtype: Optional[mx.Dtype] = None, pipeline: bool = False
+) -> Tuple[nn.Module, object]:
+    """Load a target model and its tokenizer with ``mlx_lm.load``. Launched
+    on several ranks (``mlx.launch``), each loads its shard of the target.
 
     Args:
         path_or_repo: A local Hugging Face folder, a hub repo id, a ``.gguf``
@@ -105,8 +110,14 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module
     path = _local(path_or_repo, "Model")
     if path is not None and not (path / "config.json").exists():
         raise ModelNotFoundError(f"No config.json in {path}; is it a model folder?")
+    group = distributed.group()
     try:
-        model, tokenizer = mlx_lm.load(str(path or path_or_repo))
+        if group is None:
+            model, tokenizer = mlx_lm.load(str(path or path_or_repo))
+        else:
+            model, tokenizer = _sharded(str(path or path_or_repo), group, pipeline)
+    except UnsupportedModelError:
+        raise
     except Exception as e:
         raise _load_error(e, path, path_or_repo) from None
     dtype = dtype or (mx.float32 if _on_cpu() else None)
@@ -115,14 +126,62 @@ def load(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> Tuple[nn.Module
     return model, tokenizer
 
 
-def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDraft:
-    """Load a DFlash draft in the published z-lab format.
+def _sharded(path_or_repo: str, group, pipeline: bool):
+    """This rank's shard of the target, through mlx-lm's sharding."""
+    from mlx_lm.utils import load_model, load_tokenizer, sharded_load
+
+    path = Path(path_or_repo)
+    if path.is_dir():  # a look at the classes, no weights read
+        model, _ = load_model(path, lazy=True, strict=False)
+        can_tp = hasattr(model, "shard")
+        can_pp = hasattr(getattr(model, "model", None), "pipeline")
+        if not (can_pp if pipeline else can_tp):
+            ways = [w for w, ok in (("tensor parallel", can_tp), ("pipeline", can_pp)) if ok]
+            raise UnsupportedModelError(
+                f"mlx-lm cannot shard {type(model).__module__} "
+                f"{'over a pipeline' if pipeline else 'tensor parallel'}"
+                + (f"; it supports {ways[0]} only" if ways else "; it supports no sharding")
+                + " (run it on one process, or use a model mlx-lm can shard)."
+            )
+        if pipeline and not (path / "model.safetensors.index.json").exists():
+            # sharded_load's pipeline path needs the index of a multi-file checkpoint.
+            model.model.pipeline(group)
+            mx.eval(model.parameters())
+            mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+            return model, load_tokenizer(path)
+    kw = {"pipeline_group": group} if pipeline else {"tensor_group": group}
+    try:
+        return sharded_load(path_or_repo, **kw)
+    except ValueError as e:
+        if "does not support" in str(e):
+            raise UnsupportedModelError(f"mlx-lm cannot shard this model ({e}).") from None
+        raise
+
+
+def load_draft(
+    path_or_repo: str,
+    dtype: Optional[mx.Dtype] = None,
+    bits: Optional[int] = None,
+    group_size: int = 64,
+) -> DFlashDraft:
+    """Load a DFlash draft in the published z-lab format, or one saved
+    quantized by MLX (a ``quantization`` entry in config.json).
 
     Args:
         path_or_repo: A local folder with config.json and *.safetensors, or a
             hub repo id (only *.json and *.safetensors are downloaded).
         dtype: Weight type. Default: float32 on the CPU, else as stored.
+        bits: Quantize the draft's linear layers to 8 or 4 bits at load
+            (those whose input size ``group_size`` divides); the embedding and
+            LM head are the target's and stay as they are.
+        group_size: The quantization group size.
     """
+    if bits is not None and (bits not in _BITS or isinstance(bits, bool)):
+        raise DraftConfigError(f"Draft bits must be one of {', '.join(map(str, _BITS))}, got {bits!r}.")
+    if not isinstance(group_size, int) or group_size not in _GROUPS:
+        raise DraftConfigError(
+            f"Draft group_size must be one of {', '.join(map(str, _GROUPS))}, got {group_size!r}."
+        )
     path = _local(path_or_repo, "Draft")
     if path is None:
         from huggingface_hub import snapshot_download
@@ -133,6 +192,7 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
             raise _hub_error("draft", path_or_repo, e) from None
     config = DFlashConfig.from_file(path / "config.json")
     draft = DFlashDraft(config)
+    stored = _stored_quantization(config, path)
     # model.safetensors or shards model-0000x-of-0000y.safetensors; other
     # safetensors files in the folder (e.g. a trainer's) are not weights.
     files = sorted(glob.glob(str(path / "model*.safetensors")))
@@ -145,6 +205,16 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         except Exception as e:
             raise DraftWeightsError(
                 f"{f} is not a readable safetensors file ({e}); download it again."
+            ) from None
+    if stored is not None:
+        # The quantized structure first, so names and shapes can be checked.
+        gs, b = stored["group_size"], stored["bits"]
+        try:
+            _quantize(draft, b, gs, lambda p, m: f"{p}.scales" in weights)
+        except ValueError:  # a layer the group size does not divide
+            raise DraftWeightsError(
+                f"Draft weights in {path} do not fit its quantization entry (group_size "
+                f"{gs}, bits {b}): some quantized layer's input size is not a multiple of {gs}."
             ) from None
     expected = dict(tree_flatten(draft.parameters()))
     missing = sorted(set(expected) - set(weights))
@@ -161,17 +231,64 @@ def load_draft(path_or_repo: str, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         )
     for k, w in weights.items():
         if w.shape != expected[k].shape:
+            hint = (
+                f" (its quantization entry, group_size {stored['group_size']} and bits "
+                f"{stored['bits']}, does not match the weights)"
+                if stored is not None and k.endswith((".weight", ".scales", ".biases"))
+                else ""
+            )
             raise DraftWeightsError(
                 f"Draft weight '{k}' has shape {tuple(w.shape)}, config.json implies "
-                f"{tuple(expected[k].shape)}."
+                f"{tuple(expected[k].shape)}{hint}."
             )
     dtype = dtype or (mx.float32 if _on_cpu() else None)
     if dtype is not None:
-        weights = {k: w.astype(dtype) for k, w in weights.items()}
+        # Quantized weights are integers: only floats change type.
+        weights = {
+            k: w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
+            for k, w in weights.items()
+        }
     draft.update(tree_unflatten(list(weights.items())))
+    if bits is not None and stored is None:
+        _quantize(draft, bits, group_size, lambda p, m: m.weight.shape[1] % group_size == 0)
+    elif bits is not None and (bits, group_size) != (stored["bits"], stored["group_size"]):
+        raise DraftConfigError(
+            f"The draft in {path} is stored quantized ({stored['bits']} bits, group size "
+            f"{stored['group_size']}); load it without bits, or from an unquantized copy."
+        )
     mx.eval(draft.parameters())
     draft.eval()
     return draft
+
+
+_BITS = (2, 3, 4, 5, 6, 8)
+_GROUPS = (32, 64, 128)
+
+
+def _stored_quantization(config: DFlashConfig, path: Path) -> Optional[dict]:
+    """The ``quantization`` entry of an MLX-quantized draft's config.json."""
+    q = config.extra.get("quantization")
+    if q is None:
+        return None
+    ok = isinstance(q, dict) and all(
+        isinstance(q.get(k), int) and not isinstance(q.get(k), bool) for k in ("group_size", "bits")
+    )
+    if not ok or q["bits"] not in _BITS or q["group_size"] not in _GROUPS:
+        raise DraftConfigError(
+            f"{path}/config.json: 'quantization' must be {{\"group_size\": 32|64|128, "
+            f"\"bits\": 2..8}}, got {q!r}."
+        )
+    return q
+
+
+def _quantize(draft: DFlashDraft, bits: int, group_size: int, which) -> None:
+    """Quantize the draft's linear layers for which ``which(path, module)``
+    holds, and record it in its config (so :func:`save_draft` keeps it)."""
+    nn.quantize(
+        draft, group_size, bits,
+        class_predicate=lambda p, m: isinstance(m, nn.Linear) and which(p, m),
+    )
+    draft.config.extra["quantization"] = {"group_size": group_size, "bits": bits}
 
 
 def save_draft(draft: DFlashDraft, path: str, dtype: mx.Dtype = mx.bfloat16) -> None:
@@ -180,7 +297,10 @@ def save_draft(draft: DFlashDraft, path: str, dtype: mx.Dtype = mx.bfloat16) -> 
     no half-written draft."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(dtype) for k, v in tree_flatten(draft.parameters())}
+    weights = {
+        k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in tree_flatten(draft.parameters())
+    }
     tmp_w, tmp_c = out / ".model.tmp.safetensors", out / ".config.tmp.json"
     try:
         mx.save_safetensors(str(tmp_w), weights, metadata={"format": "mlx"})
@@ -195,6 +315,11 @@ def save_draft(draft: DFlashDraft, path: str, dtype: mx.Dtype = mx.bfloat16) -> 
 def check_compatible(draft: DFlashDraft, model: nn.Module) -> None:
     """Raise IncompatibleDraftError if ``draft`` cannot run on ``model``."""
     cfg, target = draft.config, Target(model)
+    if getattr(target.inner, "pipeline_size", 1) > 1:
+        raise UnsupportedModelError(
+            "DFlash cannot draft on a pipeline-sharded target yet (the draft reads "
+            "layers held by other ranks); load it tensor parallel, or use block_size=1."
+        )
     if cfg.hidden_size != target.hidden_size:
         raise IncompatibleDraftError(
             f"Draft hidden_size {cfg.hidden_size} != target hidden size "

@@ -246,8 +246,16 @@ def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
     ``<root>/costs/`` (default :func:`dflash_mlx.gguf.cache_root`), or
     measured (a second or two) and saved. An unreadable file is measured
     again, with a warning."""
+    from . import distributed
     from .gguf import cache_root
 
+    if distributed.group() is not None:
+        # Every rank measures the same number of times (the target's collectives
+        # must match), then all use rank 0's costs, so they choose the same lengths.
+        costs = measure_costs(target, draft, budget=math.inf)
+        keys = sorted(costs.verify)
+        values = distributed.agree_floats([costs.draft] + [costs.verify[k] for k in keys])
+        return Costs(values[0], dict(zip(keys, values[1:])))
     key = cache_key(target, draft)
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(root or cache_root()) / "costs" / f"{name}.json"

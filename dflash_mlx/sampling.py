@@ -28,13 +28,7 @@ def make_sampler(
     ``seed`` it draws from its own key, leaving MLX's global RNG untouched."""
     if temp == 0:
         return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    filters = []
-    if 0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
-    if min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, min_p))
-    if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
+    filters = _filters(top_p, min_p, top_k)
     key = mx.random.key(seed) if seed is not None else None
 
     def sample(logprobs: mx.array) -> mx.array:
@@ -47,6 +41,80 @@ def make_sampler(
         return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
 
     return sample
+
+
+def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
+    filters = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    return filters
+
+
+def make_distribution(
+    temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0
+) -> Callable[[mx.array], mx.array]:
+    """The probabilities [N, V] that :func:`make_sampler`'s sampler draws
+    from, given log-probability rows; at temperature 0 the plain softmax."""
+    if temp == 0:
+        return lambda logprobs: mx.softmax(logprobs, axis=-1)
+    filters = _filters(top_p, min_p, top_k)
+
+    def dist(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.softmax(logprobs * (1.0 / temp), axis=-1)
+
+    return dist
+
+
+class Keys:
+    """A private stream of random keys (``None`` each time without a seed:
+    MLX's global generator). ``salt`` separates streams of one seed."""
+
+    def __init__(self, seed: Optional[int], salt: int):
+        self.key = mx.random.key(seed * 3 + salt) if seed is not None else None
+
+    def __call__(self):
+        if self.key is None:
+            return None
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+def near_top(probs: mx.array, draft: mx.array, threshold: float) -> mx.array:
+    """For draft tokens [L-1]: is each one's probability (rows of ``probs``)
+    at least ``threshold`` times its row's top probability?"""
+    n = draft.shape[0]
+    pd = mx.take_along_axis(probs[:n], draft[:, None].astype(mx.int32), axis=-1)[:, 0]
+    return pd >= threshold * probs[:n].max(axis=-1)
+
+
+def speculative(p: mx.array, q: mx.array, draft: mx.array, key=None, also: Optional[mx.array] = None):
+    """Speculative sampling of draft tokens [L-1] drawn from the rows of
+    ``q`` [L-1, V], against the target's probabilities ``p`` [L, V]: accept
+    each with probability min(1, p/q); at the first rejection draw the bonus
+    from normalise(max(0, p - q)), after all from the last row of ``p``.
+    Drafts flagged in ``also`` are accepted regardless (not exact then).
+    Returns (tokens [L], accepted count): the accepted drafts, then the bonus."""
+    n = draft.shape[0]
+    draft = draft.astype(mx.int32)
+    k1, k2 = mx.random.split(key) if key is not None else (None, None)
+    pd = mx.take_along_axis(p[:n], draft[:, None], axis=-1)[:, 0]
+    qd = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    ok = mx.random.uniform(shape=(n,), key=k1) * qd < pd
+    if also is not None:
+        ok = ok | also
+    a = mx.cumprod(ok.astype(mx.int32)).sum()
+    rest = mx.concatenate([mx.maximum(p[:n] - q, 0.0), p[n:]])[a]
+    # rest is all zero only where p == q, which never rejects; guard anyway.
+    rest = mx.where(rest.sum() > 0, rest, p[a])
+    bonus = mx.random.categorical(mx.log(rest), key=k2)
+    tokens = mx.concatenate([draft, bonus.reshape(1).astype(mx.int32)])
+    return mx.where(mx.arange(n + 1) < a, tokens, bonus.astype(mx.int32)), a
 
 
 def process(
@@ -84,7 +152,10 @@ def greedy(logits: mx.array):
     return mx.argmax(logits, axis=-1), close.any() | ~mx.isfinite(top).all()
 
 
-def accepted(draft: mx.array, target: mx.array) -> mx.array:
-    """How many draft tokens [L-1] match the target's choices [L], as a prefix."""
-    match = (draft == target[: draft.shape[0]]).astype(mx.int32)
-    return mx.cumprod(match).sum()
+def accepted(draft: mx.array, target: mx.array, also: Optional[mx.array] = None) -> mx.array:
+    """How many draft tokens [L-1] match the target's choices [L] (or are
+    flagged in ``also``), as a prefix."""
+    match = draft == target[: draft.shape[0]]
+    if also is not None:
+        match = match | also
+    return mx.cumprod(match.astype(mx.int32)).sum()

@@ -1,0 +1,94 @@
+"""Running on a target sharded over several processes (``mlx.launch``).
+
+Every rank loads the whole draft and its shard of the target, and runs the same
+rounds; the target's collectives keep the ranks in step. Only rank 0 speaks.
+A process counts as launched when ``mlx.launch`` (or MPI) set its rank in the
+environment; otherwise nothing here touches ``mx.distributed``.
+"""
+
+import os
+import sys
+from typing import Optional
+
+import mlx.core as mx
+
+from .errors import DFlashError
+
+_LAUNCH_VARS = ("MLX_RANK", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_group = None
+
+
+class DistributedError(DFlashError, RuntimeError):
+    """The ranks of a distributed run lost each other or disagree."""
+
+
+def group() -> Optional[mx.distributed.Group]:
+    """The group of all ranks when launched with more than one, else None."""
+    global _group
+    if _group is None:
+        if not any(v in os.environ for v in _LAUNCH_VARS):
+            _group = False
+        else:
+            g = mx.distributed.init()
+            _group = g if g.size() > 1 else False
+    return _group or None
+
+
+def rank() -> int:
+    g = group()
+    return g.rank() if g is not None else 0
+
+
+def quiet_followers() -> None:
+    """Send the standard output of every rank but 0 to /dev/null; errors
+    still reach stderr."""
+    if rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+
+
+def agree(values: mx.array, same: Optional[mx.array] = None) -> mx.array:
+    """Rank 0's ``values`` (an int array) on every rank, in one small
+    collective; with ``same``, raise DistributedError unless it is equal on
+    all ranks (the block each rank verified). One process: ``values``."""
+    g = group()
+    if g is None:
+        return values
+    values = values.astype(mx.int32)
+    # Zeros computed from the values: each rank's sum must wait for the
+    # target's own collectives, or ranks would pair up different all_sums.
+    mine = values * int(g.rank() == 0)
+    same = mx.zeros((0,), mx.int32) if same is None else same.reshape(-1).astype(mx.int32)
+    total = _collective(mx.concatenate([mine, same]), g)
+    n = values.shape[0]
+    if same.size and not mx.array_equal(total[n:], same * g.size()).item():
+        raise DistributedError(
+            f"rank {g.rank()} verified other tokens than the other ranks: the ranks "
+            "diverged (different drafts, weights or library versions?)."
+        )
+    return total[:n]
+
+
+def agree_floats(values):
+    """Rank 0's list of floats on every rank (e.g. measured costs)."""
+    g = group()
+    if g is None:
+        return list(values)
+    x = mx.array(values, mx.float32)
+    return _collective(x * int(g.rank() == 0), g).tolist()
+
+
+def _collective(x: mx.array, g) -> mx.array:
+    try:
+        out = mx.distributed.all_sum(x, group=g)
+        mx.eval(out)
+        return out
+    except RuntimeError as e:
+        raise lost(e) from None
+
+
+def lost(e: Exception) -> DistributedError:
+    """The error of a rank whose peers are gone."""
+    return DistributedError(
+        f"rank {rank()}: lost the connection to another rank ({str(e).splitlines()[0]}); "
+        "it probably failed, see its error above."
+    )

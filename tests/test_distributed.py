@@ -1,0 +1,192 @@
+"""DFlash on a target sharded over two local processes (mlx.launch, ring
+backend on loopback): both ranks commit the same tokens, the same as plain
+mlx-lm decoding of the sharded target; a rank that dies ends the other."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tiny import make_draft
+from util import mlx_tokens
+
+PYTHON = sys.executable
+LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
+ROOT = Path(__file__).resolve().parents[1]
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import mlx.core as mx
+    import mlx_lm
+    from dflash_mlx import load, load_draft, stream_generate
+    from dflash_mlx import distributed
+
+    spec = json.loads(sys.argv[1])
+    group = distributed.group()
+    rank = distributed.rank()
+    out = {"rank": rank, "size": group.size() if group else 1}
+
+    counts = {}
+    def counting(name, fn):
+        def wrapped(x, *a, **k):
+            c = counts.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += x.nbytes
+            return fn(x, *a, **k)
+        return wrapped
+    for name in ("all_sum", "all_gather", "send", "recv_like"):
+        setattr(mx.distributed, name, counting(name, getattr(mx.distributed, name)))
+
+    def measured(key, gen):
+        counts.clear()
+        tokens = gen()
+        out[key] = tokens
+        out[key + "_collectives"] = {k: v[:] for k, v in counts.items()}
+
+    model, tok = load(spec["target"])
+    right = load_draft(spec["right"])  # always right on the "class A:" prompt
+    draft = load_draft(spec["draft"])  # random weights: rarely right
+    n = spec.get("max_tokens", 24)
+
+    def dflash(prompt, d, **kw):
+        ids = []
+        for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
+            ids += r.tokens
+            if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
+                os._exit(0)
+        return ids
+
+    def plain(prompt):
+        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
+
+    try:
+        measured("dflash", lambda: dflash("def f(x):", draft, block_size=4))
+        if spec.get("die"):
+            out["finished"] = True
+        else:
+            measured("plain", lambda: plain("def f(x):"))
+            measured("right", lambda: dflash("class A:\\n", right, block_size=16))
+            measured("right_plain", lambda: plain("class A:\\n"))
+            out["auto"] = dflash("class A:\\n", right)
+            out["seeded"] = dflash("def f(x):", right, temperature=1.0, seed=7, block_size=4)
+            out["unseeded"] = dflash("def f(x):", right, temperature=1.0, block_size=4)
+            try:
+                load(spec["target"], pipeline=True)
+                out["pipeline"] = "loaded"
+            except Exception as e:
+                out["pipeline"] = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    with open(spec["out"] + f".{rank}.json", "w") as f:
+        json.dump(out, f)
+    """
+)
+
+PIPELINE = textwrap.dedent(
+    """
+    import json, sys
+    import mlx_lm
+    from dflash_mlx import distributed, load, load_draft, stream_generate
+
+    target, draft, out = sys.argv[1:]
+    model, tok = load(target, pipeline=True)
+    res = {"plain": [r.token for r in mlx_lm.stream_generate(model, tok, "def f(x):", max_tokens=12)]}
+    res["ours"] = [t for r in stream_generate(model, None, tok, "def f(x):", max_tokens=12) for t in r.tokens]
+    try:
+        list(stream_generate(model, load_draft(draft), tok, "def f(x):", max_tokens=12))
+    except Exception as e:
+        res["draft"] = f"{type(e).__name__}: {e}"
+    with open(f"{out}.{distributed.rank()}.json", "w") as f:
+        json.dump(res, f)
+    """
+)
+
+
+def launch(args, timeout=120, env=None):
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", *args]
+    env = dict(os.environ, **(env or {}))
+    env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dist") / "worker.py"
+    path.write_text(WORKER)
+    return path
+
+
+def run_worker(worker, tmp_path, target, env=None, **spec):
+    out = str(tmp_path / "out")
+    spec = dict(spec, target=str(target), out=out)
+    spec.setdefault("draft", str(make_draft(tmp_path / "draft", target)))
+    p = launch([str(worker), json.dumps(spec)], env=env)
+    ranks = []
+    for r in (0, 1):
+        f = Path(f"{out}.{r}.json")
+        ranks.append(json.loads(f.read_text()) if f.exists() else None)
+    return p, ranks
+
+
+def right_draft(arch, loaded, tmp_path):
+    """An echo draft of the token the tied target repeats after "class A:"."""
+    model, tok, folder = loaded(arch, tied=True)
+    first = mlx_tokens(model, tok, "class A:\n", 1)[0]
+    return str(make_draft(tmp_path / "right", folder, mask_token_id=first, echo=True))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_sharded_dflash_matches_plain_on_both_ranks(arch, worker, tmp_path, target_folder, loaded):
+    target = target_folder(arch, tied=True)
+    p, (r0, r1) = run_worker(worker, tmp_path, target, right=right_draft(arch, loaded, tmp_path))
+    assert r0 and r1, p.stderr[-2000:]
+    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert (r0["size"], r1["size"]) == (2, 2)
+    for key in ("dflash", "plain", "right", "right_plain", "auto", "seeded", "unseeded"):
+        assert r0[key] == r1[key], key
+    assert r0["dflash"] == r0["plain"] and len(r0["plain"]) == 24
+    assert r0["right"] == r0["right_plain"] == r0["auto"]
+    assert r0["pipeline"].startswith("UnsupportedModelError"), r0["pipeline"]
+    calls = {k: r0[k + "_collectives"]["all_sum"] for k in ("plain", "dflash", "right_plain", "right")}
+    # Accepted drafts: fewer target forwards, so fewer (larger) collectives.
+    assert calls["right"][0] < calls["right_plain"][0], calls
+    print(f"\n{arch}: all_sum [calls, bytes] per 24 tokens: {calls}")
+
+
+def test_dead_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):
+    target = target_folder("qwen3", tied=True)
+    draft = str(make_draft(tmp_path / "right", target, echo=True))
+    p, (r0, r1) = run_worker(worker, tmp_path, target, env={"DIE_AFTER": "5"}, die=True, right=draft)
+    assert r1 is None  # it left silently (exit code 0), mid-generation
+    assert r0 is not None, p.stderr[-2000:]
+    assert "DistributedError" in r0["error"] and "lost the connection" in r0["error"], r0
+
+
+def test_generate_cli_prints_on_rank_0_only(tmp_path, target_folder):
+    target = target_folder("qwen3", tied=True)
+    draft = make_draft(tmp_path / "draft", target, echo=True)
+    p = launch(["-m", "dflash_mlx.generate", "--model", str(target), "--draft", str(draft),
+                "--prompt", "hi", "--max-tokens", "16", "--block-size", "4", "--compare"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("Generation: 16 tokens") == 1, p.stdout
+    assert p.stdout.count("Identical output: yes") == 1, p.stdout
+
+
+def test_pipeline_sharded_target_decodes_plainly(tmp_path, target_folder):
+    """Qwen3-Next shards as a pipeline only: plain steps work on it, drafting
+    is refused clearly (the draft would read layers of the other rank)."""
+    target = target_folder("qwen3_next")
+    draft = make_draft(tmp_path / "draft", target)
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE)
+    p = launch([str(script), str(target), str(draft), str(tmp_path / "out")])
+    assert (tmp_path / "out.1.json").exists(), p.stderr[-2000:]
+    r0, r1 = (json.loads(Path(tmp_path / f"out.{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    assert r0["plain"] == r0["ours"] and len(r0["plain"]) == 12
+    assert r0["draft"].startswith("UnsupportedModelError") and "pipeline" in r0["draft"]

@@ -330,6 +330,19 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
                              progress=lambda n, t: bar.update(n, t))
         bar.close()
 
+    # The draft trains on features divided by their per-dimension RMS, and
+    # its fc weights are folded back on saving: targets with massive
+    # activations (SmolLM2: dims of RMS ~1900 beside a median of ~6) otherwise
+    # drown the context in a few dimensions and Adam's steps on them.
+    if store is not None:
+        scale = feature_scale(store.array[: min(64, len(seqs))])
+    else:
+        toks = make_batch(seqs[: a.batch_size], a, pad, cfg.mask_token_id, np.random.default_rng(0))[0]
+        scale = feature_scale(np.array(_features(target, toks, cfg.target_layer_ids)))
+    inv = 1 / scale
+    if src is not None:
+        draft.fc.weight = draft.fc.weight * scale[None]
+
     def inputs(index, rng):
         """Features, blocks, anchors, labels and validity of one step."""
         batch = [seqs[i] for i in index]
@@ -338,6 +351,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
             feats = store.batch(index, toks.shape[1])
         else:
             feats = _features(target, toks, cfg.target_layer_ids)
+        feats = feats * inv
         if a.decode_anchors:
             moved = next_anchors(draft, target, feats, *blocks, batch, a)
             _, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved, lookup)
@@ -356,6 +370,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     step = 0
     if resume:
         step = _load_state(draft, opt, outp)
+        draft.fc.weight = draft.fc.weight * scale[None]
         print(f"resuming at step {step}/{steps}", file=log)
 
     def step_fn(feats, blocks, anchors, labels, valid):
@@ -383,10 +398,20 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         shown = " ".join(f"@{k}:{accs[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(accs))
         bar.update(step + 1, blocks.size + feats.shape[0] * feats.shape[1], f"loss {ema:.3f} acc {shown} tau~{tau.item():.2f}")
         if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0 and step + 1 < steps:
-            _save(draft, opt, outp, step + 1)
+            _save(draft, opt, outp, step + 1, scale)
     bar.close()
-    _save(draft, opt, outp, steps)
+    _save(draft, opt, outp, steps, scale)
+    draft.fc.weight = draft.fc.weight / scale[None]
     return draft
+
+
+def feature_scale(feats) -> mx.array:
+    """Per-dimension RMS of target features [B, S, D] over the filled
+    positions after the first (which holds attention-sink outliers)."""
+    f = np.asarray(feats[:, 1:], dtype=np.float32).reshape(-1, feats.shape[-1])
+    f = f[np.abs(f).sum(1) > 0]
+    rms = np.sqrt((f**2).mean(0)) if len(f) else np.ones(feats.shape[-1], np.float32)
+    return mx.array(np.maximum(rms, 1e-2))
 
 
 def _from_target(draft: DFlashDraft, target: Target, layers: bool) -> None:
@@ -416,11 +441,16 @@ def _check_init(have: DFlashConfig, want: DFlashConfig, path: str) -> None:
                          f"{', '.join(bad)}; match it with --depth / --target-layer-ids.")
 
 
-def _save(draft, opt, out: Path, step: int) -> None:
-    """The folder becomes a loadable draft; exact float32 weights, optimizer
-    state and step go to side files for --resume."""
-    save_draft(draft, str(out))
-    arrays = {f"w.{k}": v for k, v in tree_flatten(draft.parameters())}
+def _save(draft, opt, out: Path, step: int, scale: mx.array) -> None:
+    """The folder becomes a loadable draft (fc folded back to raw features);
+    exact float32 weights, optimizer state and step go to side files for --resume."""
+    w = draft.fc.weight
+    draft.fc.weight = w / scale[None]
+    try:
+        save_draft(draft, str(out))
+        arrays = {f"w.{k}": v for k, v in tree_flatten(draft.parameters())}
+    finally:
+        draft.fc.weight = w
     arrays.update({f"o.{k}": v for k, v in tree_flatten(opt.state)})
     # Not *.safetensors: load_draft reads every such file as draft weights.
     tmp = out / f".{STATE}.tmp.npz"

@@ -36,21 +36,29 @@ def tv(law, counts, total):
     return 0.5 * sum(abs(law.get(k, 0.0) - counts.get(k, 0) / total) for k in keys)
 
 
-def test_sampled_output_matches_target_distribution(loaded, draft_for):
+def sampled_law(loaded, draft_for, draws, **kw):
+    """The target's exact law of N tokens, and the counts and rounds of
+    ``draws`` seeded DFlash generations (block 4) with a draft that always
+    guesses the most likely second token."""
     model, tok, folder = loaded("qwen3", tied=True)
     prompt = tok.encode("import os\n")
     law = target_law(model, prompt)
-    guess = max(law, key=law.get)[1]
-    draft = draft_for(folder, mask_token_id=guess, echo=True)
-    counts, acc, draws = Counter(), [], 1200
+    draft = draft_for(folder, mask_token_id=max(law, key=law.get)[1], echo=True)
+    counts, rounds = Counter(), []
     for seed in range(draws):
         out, rs = dflash_tokens(
             model, draft, tok, prompt, block_size=4, max_tokens=N,
-            temperature=TEMP, top_k=TOP_K, seed=seed,
+            temperature=TEMP, top_k=TOP_K, seed=seed, **kw,
         )
         counts[tuple(out)] += 1
-        acc += [r.accepted for r in rs[1:]]
-    assert max(acc) > 1, "the draft was never accepted: the test would not test acceptance"
+        rounds += rs[1:]
+    return law, counts, rounds
+
+
+def test_sampled_output_matches_target_distribution(loaded, draft_for):
+    draws = 1200
+    law, counts, rounds = sampled_law(loaded, draft_for, draws)
+    assert max(r.accepted for r in rounds) > 1, "the draft was never accepted: the test would not test acceptance"
     assert tv(law, counts, draws) < 0.08
 
 

@@ -191,24 +191,12 @@ def test_bad_denoise_steps_are_refused(bad, loaded, draft_for):
 
 
 def test_sampled_proposals_follow_target_law(loaded, draft_for):
-    from collections import Counter
+    from test_sampling import sampled_law, tv
 
-    from test_sampling import TEMP, TOP_K, N, target_law, tv
-
-    model, tok, folder = loaded("qwen3", tied=True)
-    prompt = tok.encode("import os\n")
-    law = target_law(model, prompt)
-    guess = max(law, key=law.get)[1]
-    draft = draft_for(folder, mask_token_id=guess, echo=True)
-    counts, acc, short, draws = Counter(), [], 0, 1200
-    for seed in range(draws):
-        out, rs = dflash_tokens(
-            model, draft, tok, prompt, block_size=4, max_tokens=N,
-            temperature=TEMP, top_k=TOP_K, seed=seed, proposal="sample",
-        )
-        counts[tuple(out)] += 1
-        acc += [r.accepted for r in rs[1:]]
-        short += sum(r.accepted < r.verified for r in rs[1:] if r.finish_reason is None)
+    draws = 1200
+    law, counts, rounds = sampled_law(loaded, draft_for, draws, proposal="sample")
+    acc = [r.accepted for r in rounds]
+    short = sum(r.accepted < r.verified for r in rounds if r.finish_reason is None)
     assert max(acc) > 1 and short, "the test would not test both acceptance and rejection"
     assert tv(law, counts, draws) < 0.08
 

@@ -91,6 +91,10 @@ class DraftCache:
         """Tokens covered: read into the cache or pending."""
         return self.cache[0].offset + (self.pending.shape[1] if self.pending is not None else 0)
 
+    def extend(self, features: mx.array) -> None:
+        """Queue target features [1, L, n*H] the draft has not read yet."""
+        self.pending = features if self.pending is None else mx.concatenate([self.pending, features], axis=1)
+
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens."""
         if self.pending is not None and n > 0:
@@ -367,8 +371,7 @@ class _Decoder:
             if i + step < len(ids):
                 mx.eval([c.state for c in self.cache] + feats)
         if feats:
-            f = mx.concatenate(feats, axis=1)
-            self.pending = f if self.pending is None else mx.concatenate([self.pending, f], axis=1)
+            self.dstate.extend(mx.concatenate(feats, axis=1))
         logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
         return agree(self.sampler(logp)).tolist()
 
@@ -387,9 +390,9 @@ class _Decoder:
             # mask positions and guesses worse; only length - 1 drafts are verified.
             kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
             logits = self.draft.propose(
-                anchor, self.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
+                anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
             )
-            self.pending = None  # now in the draft's cache
+            self.dstate.pending = None  # now in the draft's cache
             if self.keys is not None:
                 q = self.dist(process(logits[: length - 1], None, None, None))
                 proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
@@ -414,8 +417,7 @@ class _Decoder:
         out, a = self._choose(logits, history, block, proposal, q=q)
         rollback(self.cache, tape, a + 1, block.shape[0])
         if f is not None:
-            f = f[:, : a + 1]
-            self.pending = f if self.pending is None else mx.concatenate([self.pending, f], axis=1)
+            self.dstate.extend(f[:, : a + 1])
         clock.lap("accept", [c.state for c in self.cache])
         if policy is not None:
             policy.update(block.shape[0], a, drafted)
@@ -464,16 +466,6 @@ class _Decoder:
         full = mx.zeros((q.shape[0], self.target.vocab_rows), q.dtype)
         idx = mx.broadcast_to(self.vocab[None], q.shape)
         return mx.put_along_axis(full, idx, q, axis=-1)
-
-    @property
-    def pending(self) -> Optional[mx.array]:
-        """Target features the draft has not seen yet."""
-        return self.dstate.pending if self.draft is not None else None
-
-    @pending.setter
-    def pending(self, value) -> None:
-        if self.draft is not None:
-            self.dstate.pending = value
 
 
 class _Clock:

@@ -470,6 +470,26 @@ def float32_weights(folder: Path) -> Optional[Dict[str, mx.array]]:
     return _weights(mx.load(str(f))) if f.exists() else None
 
 
+def export_draft(src: Path, dest: Path) -> float:
+    """Write the draft trained in ``src`` to ``dest`` as config.json and
+    float16 weights (rounded from its exact float32 ones when kept), nothing
+    else; a failure leaves ``dest`` as it was. Returns the MB written."""
+    import shutil
+
+    w = float32_weights(src)
+    if w is None:
+        w = mx.load(str(src / "model.safetensors"))
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy2(src / "config.json", tmp / "config.json")
+    mx.save_safetensors(str(tmp / "model.safetensors"), {k: v.astype(mx.float16) for k, v in w.items()},
+                        metadata={"format": "mlx"})
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return sum(f.stat().st_size for f in dest.iterdir()) / 1e6
+
+
 def _load_state(draft, opt, out: Path) -> int:
     try:
         step = json.loads((out / f"{STATE}.json").read_text())["step"]

@@ -8,6 +8,7 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
@@ -73,6 +74,15 @@ def test_draft_vocab_training_with_cached_features(tiny, tmp_path):
             got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=40)
                    for t in r.tokens]
             assert got == want, (prompt, bs)
+
+    # The shipped copy: config and float16 weights rounded from the exact ones, nothing else.
+    from dflash_mlx.train import export_draft, float32_weights
+
+    export_draft(out, tmp_path / "shipped")
+    assert sorted(f.name for f in (tmp_path / "shipped").iterdir()) == ["config.json", "model.safetensors"]
+    exact = float32_weights(out)
+    for k, v in mx.load(str(tmp_path / "shipped" / "model.safetensors")).items():
+        assert v.dtype == mx.float16 and mx.array_equal(v, exact[k].astype(mx.float16)).item(), k
 
 
 def test_regenerated_answers_are_kept_and_reused(tiny, tmp_path, capsys):

@@ -273,28 +273,18 @@ def copy_pair(work: Path, dest: Path) -> None:
     """Copy the built target, draft and prompts into the package folder."""
     import shutil
 
-    from ..train import float32_weights
+    from ..train import export_draft
 
-    for name in ("target", "draft"):
-        src, dst = work / name, dest / name
-        if dst.exists():
-            shutil.rmtree(dst)
-        dst.mkdir(parents=True)
-        for f in src.iterdir():
-            if f.is_file() and not f.name.startswith("."):
-                shutil.copy2(f, dst / f.name)
-    # The draft ships with float16 weights like the target, rounded from the
-    # exact float32 weights the trainer keeps for --resume when present.
-    w = float32_weights(work / "draft")
-    if w is None:
-        w = mx.load(str(dest / "draft" / "model.safetensors"))
-    mx.save_safetensors(
-        str(dest / "draft" / "model.safetensors"),
-        {k: v.astype(mx.float16) for k, v in w.items()},
-        metadata={"format": "mlx"},
-    )
-    for f in ("draft/train_state.json", "draft/train_state.npz", "draft/train_regenerated.jsonl"):
-        (dest / f).unlink(missing_ok=True)
+    dst = dest / "target"
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in (work / "target").iterdir():
+        if f.is_file() and not f.name.startswith("."):
+            shutil.copy2(f, dst / f.name)
+    # The draft ships with float16 weights like the target (only its config
+    # and weights: the trainer's side files stay in the work folder).
+    export_draft(work / "draft", dest / "draft")
     shutil.copy2(work / "prompts.jsonl", dest / "prompts.jsonl")
 
 

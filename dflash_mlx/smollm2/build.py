@@ -18,7 +18,6 @@ STAGES.md next to this file with its command, time and held-out tau.
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -44,27 +43,6 @@ def train_args(work: Path, args) -> list:
     return out
 
 
-def install(work: Path, dest: Path = DRAFT) -> float:
-    """Copy the trained draft into ``dest`` with float16 weights; MB written."""
-    import mlx.core as mx
-
-    from ..train import float32_weights
-
-    src = work / "draft"
-    w = float32_weights(src)
-    if w is None:
-        w = mx.load(str(src / "model.safetensors"))
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shutil.copy2(src / "config.json", tmp / "config.json")
-    mx.save_safetensors(str(tmp / "model.safetensors"), {k: v.astype(mx.float16) for k, v in w.items()},
-                        metadata={"format": "mlx"})
-    shutil.rmtree(dest, ignore_errors=True)
-    tmp.rename(dest)
-    return sum(f.stat().st_size for f in dest.iterdir()) / 1e6
-
-
 def evaluate(n: int, max_tokens: int) -> float:
     """Greedy tau of the installed draft over the first ``n`` held-out prompts."""
     from .. import load, load_draft
@@ -80,6 +58,7 @@ def evaluate(n: int, max_tokens: int) -> float:
 
 def main(argv=None) -> int:
     from ..errors import run_command
+    from ..train import export_draft
     from ..train import main as train_main
 
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
@@ -115,7 +94,7 @@ def main(argv=None) -> int:
                 return code
             print(f"train stage: {(time.perf_counter() - tic) / 60:.1f} min", file=sys.stderr)
         if "install" in stages:
-            print(f"installed {DRAFT}: {install(work):.1f} MB", file=sys.stderr)
+            print(f"installed {DRAFT}: {export_draft(work / 'draft', DRAFT):.1f} MB", file=sys.stderr)
         if "eval" in stages:
             tau = evaluate(args.eval_prompts, args.eval_tokens)
             print(f"held-out tau (greedy, {args.eval_prompts} prompts, {args.eval_tokens} tokens): {tau:.2f}")

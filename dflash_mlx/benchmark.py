@@ -183,8 +183,9 @@ def run_mlx(models: Models, ids: List[int], s: Settings, max_tokens=None, specul
     return _drive(gen, lambda r: [r.token], len(ids))[0]
 
 
-def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False) -> Run:
-    """DFlash ``stream_generate``; with ``profile`` also the per-round phases."""
+def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False, block=None) -> Run:
+    """DFlash ``stream_generate`` (at ``block``, default ``s.block_size``);
+    with ``profile`` also the per-round phases."""
     import mlx.core as mx
 
     from .decoding import stream_generate
@@ -193,7 +194,7 @@ def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, pro
     mx.reset_peak_memory()
     gen = stream_generate(
         models.model, models.draft, models.tokenizer, ids,
-        block_size=s.block_size, max_tokens=max_tokens or s.max_tokens,
+        block_size=s.block_size if block is None else block, max_tokens=max_tokens or s.max_tokens,
         temperature=s.temp, seed=s.seed, logits_processors=procs, profile=profile,
     )
     run, stamps, items = _drive(gen, lambda r: r.tokens, len(ids))
@@ -251,12 +252,24 @@ def _ratio(a, b):
 
 
 def prompt_result(
-    pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool, category=None
+    pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool, category=None,
+    profs: Optional[Dict[str, Run]] = None,
 ) -> dict:
     """The JSON record of one prompt; the token ids too when sampled or when
-    the outputs differ."""
+    the outputs differ. With several block sizes, ``columns`` holds each
+    DFlash column's speedup, tau and identity (``identical``: all of them)."""
     plain, fl = runs["plain"], runs["dflash"]
     diff = first_difference(plain.tokens, fl.tokens)
+    columns = {}
+    for k in dflash_keys(runs):
+        d = first_difference(plain.tokens, runs[k].tokens)
+        p = (profs or {}).get(k)
+        columns[k] = dict(
+            speedup=_ratio(runs[k].decode_tps, plain.decode_tps), tau=runs[k].tau, identical=d is None,
+            first_difference=d, round_time_s=round_split(p.phases) if p else None,
+        )
+        if diff is None:
+            diff = d
     split = round_split(prof.phases) if prof else None
     step = 1 / plain.decode_tps if plain.decode_tps else None
     r = dict(
@@ -284,8 +297,10 @@ def prompt_result(
             baseline_speedup=_ratio(b.decode_tps, plain.decode_tps),
             baseline_identical=bdiff is None,
         )
+    if len(columns) > 1:
+        r["columns"] = columns
     if diff is not None or not exact:
-        r["tokens"] = {"plain": plain.tokens, "dflash": fl.tokens}
+        r["tokens"] = {"plain": plain.tokens, **{k: runs[k].tokens for k in columns}}
     return r
 
 
@@ -306,12 +321,14 @@ def _pool(runs: List[Run]) -> dict:
     return d
 
 
-def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: List[Run], block: int) -> dict:
-    """Aggregate over prompts: pooled speeds (total tokens / total time)."""
+def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: Dict[str, List[Run]], block: int) -> dict:
+    """Aggregate over prompts: pooled speeds (total tokens / total time);
+    with several block sizes, ``columns`` gives each one's speedup, tau and
+    round split."""
     methods = {k: _pool([r[k] for r in runs]) for k in runs[0]}
     plain, fl = methods["plain"], methods["dflash"]
     acc = [a for r in runs for a in r["dflash"].accepted]
-    split = round_split([p for r in profs for p in r.phases])
+    split = round_split([p for r in profs.get("dflash", []) for p in r.phases])
     step = 1 / plain["decode_tps"] if plain["decode_tps"] else None
     speedups = [r["speedup"] for r in records if r["speedup"]]
     s = dict(
@@ -329,7 +346,27 @@ def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: List[Run],
     )
     if "baseline" in methods:
         s["baseline_speedup"] = _ratio(methods["baseline"]["decode_tps"], plain["decode_tps"])
+    keys = dflash_keys(runs[0])
+    if len(keys) > 1:
+        s["columns"] = {}
+        for k in keys:
+            sp = round_split([p for r in profs.get(k, []) for p in r.phases])
+            s["columns"][k] = dict(
+                block=column_label(k), speedup=_ratio(methods[k]["decode_tps"], plain["decode_tps"]),
+                tau=methods[k].get("tau"), round_time_s=sp, **cost_model(methods[k].get("tau"), sp, step),
+            )
     return s
+
+
+def dflash_keys(runs: Dict) -> List[str]:
+    """The DFlash methods of a run dict: "dflash" (the main block size), then
+    "dflash@<block>" for each other block size of ``--block-size``."""
+    return [k for k in runs if k == "dflash" or k.startswith("dflash@")]
+
+
+def column_label(key: str) -> Optional[str]:
+    """"8" for "dflash@8"; None for the main column "dflash"."""
+    return key.split("@", 1)[1] if "@" in key else None
 
 
 def _group(runs: List[Dict[str, Run]]) -> dict:
@@ -395,6 +432,21 @@ def _f(x, fmt="{:.1f}", none="-"):
 NAMES = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
 
 
+def method_name(key: str, c: dict) -> str:
+    """Table name of a method; DFlash columns carry their block size."""
+    if key == "dflash" and len(c.get("block_sizes", [])) > 1:
+        return f"dflash {c['block_sizes'][0]}"
+    return NAMES.get(key) or f"dflash {column_label(key)}"
+
+
+def block_text(c: dict) -> str:
+    """The block size(s) of a run: "auto, up to 16", "16" or "auto, 4, 8"."""
+    sizes = c.get("block_sizes") or [c["block_size"]]
+    if len(sizes) > 1:
+        return ", ".join(str(b) for b in sizes) + f" (drafts of {c['block_size']} at most)"
+    return f"{'auto, up to ' if c.get('adaptive') else ''}{c['block_size']}"
+
+
 def _temp_label(r: dict) -> str:
     return f"temp {r['temp']:g}" + (f" (seed {r['seed']})" if r["temp"] > 0 and r["seed"] is not None else "")
 
@@ -415,14 +467,14 @@ def format_result(r: dict, c: dict) -> str:
     s = r["summary"]
     lines = [
         f"{_temp_label(r)}: {s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
-        f"block {'auto, up to ' if c.get('adaptive') else ''}{c['block_size']}",
+        f"block {block_text(c)}",
         f"{'method':<12}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
     ]
     plain = s["methods"]["plain"]
     for k, m in s["methods"].items():
         sp = _ratio(m["decode_tps"], plain["decode_tps"])
         lines.append(
-            f"{NAMES[k]:<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
+            f"{method_name(k, c):<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
             f"{_f(sp, '{:.2f}x'):>9}{_f(m.get('tau'), '{:.2f}'):>7}{_f(m['peak_memory_gb'], '{:.3f}'):>9}"
         )
     check = "required" if r["temp"] == 0 else "not required at temp > 0"
@@ -435,6 +487,11 @@ def format_result(r: dict, c: dict) -> str:
             f"ideal speedup tau/(c_draft+c_verify) = {_f(s['ideal_speedup'], '{:.2f}x')}, "
             f"measured {_f(s['speedup'], '{:.2f}x')}"
         )
+    for k, col in s.get("columns", {}).items():
+        if k != "dflash" and col["round_time_s"]:
+            rt, co = col["round_time_s"], col["costs"]
+            parts = [f"{p} {rt[p] * 1e3:.2f} ms ({co[p]:.2f})" for p in PHASES]
+            lines.append(f"round, {method_name(k, c)}, {rt['round'] * 1e3:.2f} ms: " + ", ".join(parts))
     h = s["acceptance_histogram"]
     total = sum(h) or 1
     pct = [(i + 1, 100 * n / total) for i, n in enumerate(h) if n]
@@ -457,7 +514,7 @@ def format_summary(result: dict) -> str:
     return "\n\n".join(blocks + (["\n".join(lines)] if lines else []))
 
 
-def _chart_row(a, b, r: dict) -> None:
+def _chart_row(a, b, r: dict, c: dict) -> None:
     s, recs = r["summary"], r["prompts"]
     h = s["acceptance_histogram"]
     total = sum(h) or 1
@@ -469,12 +526,13 @@ def _chart_row(a, b, r: dict) -> None:
     a.set(xlabel="tokens committed per round", ylabel="% of rounds",
           title=f"DFlash acceptance length, {_temp_label(r)}")
     x = list(range(len(recs)))
-    two = "baseline_speedup" in s
-    off = 0.2 if two else 0.0
-    b.bar([i - off for i in x], [p["speedup"] or 0 for p in recs], 0.4 if two else 0.6, label="dflash", color="tab:green")
-    if two:
-        b.bar([i + 0.2 for i in x], [p.get("baseline_speedup") or 0 for p in recs], 0.4,
-              label="mlx-lm speculative", color="tab:orange")
+    bars = [(method_name(k, c), [(p.get("columns") or {}).get(k, p)["speedup"] or 0 for p in recs])
+            for k in (s.get("columns") or ["dflash"])]
+    if "baseline_speedup" in s:
+        bars.append(("mlx-lm speculative", [p.get("baseline_speedup") or 0 for p in recs]))
+    w = 0.8 / len(bars)
+    for j, (name, ys) in enumerate(bars):
+        b.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], ys, w, label=name)
     b.axhline(1.0, color="gray", lw=1)
     b.set_xticks(x, [p["id"] for p in recs], rotation=60, ha="right", fontsize=7)
     b.set(ylabel="decode speedup over mlx-lm",
@@ -492,15 +550,14 @@ def write_chart(result: dict, path: Path) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'dflash-mlx[bench]'); no chart written"
-    res = result["results"]
+    res, c = result["results"], result["config"]
     fig, axes = plt.subplots(len(res), 2, figsize=(12, 4.2 * len(res)), squeeze=False)
     for (a, b), r in zip(axes, res):
-        _chart_row(a, b, r)
-    c = result["config"]
+        _chart_row(a, b, r, c)
     temps = ", ".join(f"{t:g}" for t in c["temps"])
     fig.suptitle(
         f"{Path(c['model']).name} + {Path(c['draft']).name} | {Path(c['dataset']).name}, "
-        f"temp {temps}, block {c['block_size']}, max {c['max_tokens']} tokens", fontsize=9
+        f"temp {temps}, block {block_text(c)}, max {c['max_tokens']} tokens", fontsize=9
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -527,10 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", default="0,0.7",
                    help="Sampling temperatures, comma-separated, each a full pass (0: greedy, outputs checked; default 0,0.7).")
-    from .generate import block_size_arg
-
-    p.add_argument("--block-size", type=block_size_arg, default="auto",
-                   help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed number.")
+    p.add_argument("--block-size", type=block_sizes_arg, default=["auto"],
+                   help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed "
+                        "number; a comma-separated list (e.g. 4,8,16,auto) measures each side by side, one column each.")
     p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
     p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
                    help="Quantize the DFlash draft's linear layers to this many bits at load.")
@@ -550,11 +606,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def block_sizes_arg(text: str) -> list:
+    """``--block-size`` values: "auto" or integers, comma-separated, without repeats."""
+    from .generate import block_size_arg
+
+    sizes = [block_size_arg(t) for t in str(text).split(",") if t.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("expected integers or 'auto', comma-separated")
+    return list(dict.fromkeys(sizes))
+
+
+def main_block(sizes: list):
+    """The block size of the main "dflash" column: auto when listed, else the first."""
+    return "auto" if "auto" in sizes else sizes[0]
+
+
 def _check(args) -> None:
-    for name in ("max_tokens", "max_samples", "block_size", "num_draft_tokens"):
+    for name in ("max_tokens", "max_samples", "num_draft_tokens"):
         v = getattr(args, name)
         if isinstance(v, int) and v < 1:
             raise BenchmarkError(f"--{name.replace('_', '-')} must be at least 1, got {v}.")
+    for v in args.block_size:
+        if isinstance(v, int) and v < 1:
+            raise BenchmarkError(f"--block-size must be at least 1, got {v}.")
     parse_temps(args.temp)
     if args.warmup_tokens < 0:
         raise BenchmarkError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
@@ -632,15 +706,17 @@ def encode(tokenizer, text: str) -> List[int]:
 class Bench:
     """Runs the methods on prompts and collects records."""
 
-    def __init__(self, models: Models, s: Settings, profile: str, warmup: int, block: int):
+    def __init__(self, models: Models, s: Settings, profile: str, warmup: int, block: int, others=()):
         self.m, self.s, self.profile, self.warmup, self.block = models, s, profile, warmup, block
-        self.methods = {
-            "plain": lambda ids, n=None: run_mlx(self.m, ids, self.s, n),
-            "dflash": lambda ids, n=None: run_dflash(self.m, ids, self.s, n, profile=profile == "inline"),
-        }
+        inline = profile == "inline"
+        # key -> block size of each DFlash column ("dflash": s.block_size)
+        self.blocks = {"dflash": s.block_size, **{f"dflash@{b}": b for b in others}}
+        self.methods = {"plain": lambda ids, n=None: run_mlx(self.m, ids, self.s, n)}
+        for k, b in self.blocks.items():
+            self.methods[k] = lambda ids, n=None, b=b: run_dflash(self.m, ids, self.s, n, profile=inline, block=b)
         if models.baseline is not None:
             self.methods["baseline"] = lambda ids, n=None: run_mlx(self.m, ids, self.s, n, speculative=True)
-        self.records, self.runs, self.profs = [], [], []
+        self.records, self.runs, self.profs = [], [], {}
 
     def prompt(self, pid: str, ids: List[int], category: Optional[str], show: Callable[[str], None]) -> dict:
         """Warm up, run every method (order rotated from prompt to prompt),
@@ -655,15 +731,18 @@ class Bench:
         for name in names[k:] + names[:k]:
             show(f"{pid}: {name}")
             runs[name] = self.methods[name](ids)
-        prof = runs["dflash"] if self.profile == "inline" else None
-        if self.profile == "separate":
-            show(f"{pid}: profiled dflash")
-            prof = run_dflash(self.m, ids, self.s, profile=True)
-        rec = prompt_result(pid, runs, prof, self.block, self.s.temp == 0, category)
+        profs = {}
+        if self.profile == "inline":
+            profs = {k: runs[k] for k in self.blocks}
+        elif self.profile == "separate":
+            for k, b in self.blocks.items():
+                show(f"{pid}: profiled {k}")
+                profs[k] = run_dflash(self.m, ids, self.s, profile=True, block=b)
+        rec = prompt_result(pid, runs, profs.get("dflash"), self.block, self.s.temp == 0, category, profs)
         self.records.append(rec)
         self.runs.append(runs)
-        if prof:
-            self.profs.append(prof)
+        for k, p in profs.items():
+            self.profs.setdefault(k, []).append(p)
         return rec
 
 
@@ -684,7 +763,7 @@ def _settings(args, temp: float) -> Settings:
     procs = make_logits_processors(repetition_penalty=args.repetition_penalty) if args.repetition_penalty else None
     perturb = make_logits_processors(repetition_penalty=args.perturb_dflash) if args.perturb_dflash else None
     seed = 0 if args.seed is None and temp > 0 else args.seed
-    return Settings(args.max_tokens, temp, args.block_size, seed, args.num_draft_tokens, procs, perturb)
+    return Settings(args.max_tokens, temp, main_block(args.block_size), seed, args.num_draft_tokens, procs, perturb)
 
 
 def _config(args, models: Models, block: int, template: bool) -> dict:
@@ -699,8 +778,9 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
         max_samples=args.max_samples,
         max_tokens=args.max_tokens,
         temps=parse_temps(args.temp),
-        block_size=block,
-        adaptive=not isinstance(args.block_size, int),  # "auto": block_size is the longest round
+        block_size=block,  # the longest round of any column
+        adaptive=main_block(args.block_size) == "auto",
+        block_sizes=[str(b) for b in _columns(args.block_size)],  # the main column first
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens if models.baseline is not None else None,
         chat_template=template,
@@ -744,6 +824,12 @@ def compare_to_greedy(results: List[dict]) -> None:
         r["speedup_vs_greedy"] = _ratio(r["summary"]["speedup"], greedy) if r["temp"] > 0 else None
 
 
+def _columns(sizes: list) -> list:
+    """The block sizes in column order: the main one first."""
+    m = main_block(sizes)
+    return [m] + [b for b in sizes if b != m]
+
+
 def benchmark(args, progress: Optional[Progress] = None) -> dict:
     """Run the benchmark described by parsed ``args``; return the results:
     the shared config and one result per temperature."""
@@ -754,12 +840,13 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
     models = load_models(paths, is_demo(paths["model"]), getattr(args, "draft_bits", None))
-    block = args.block_size if isinstance(args.block_size, int) else models.draft.block_size
+    block = max(b if isinstance(b, int) else models.draft.block_size for b in args.block_size)
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
     progress = progress or Progress(sum(len(x.turns) or 1 for x in samples) * len(temps))
     results, done = [], 0
     for temp in temps:
-        bench = Bench(models, _settings(args, temp), args.profile, args.warmup_tokens, block)
+        bench = Bench(models, _settings(args, temp), args.profile, args.warmup_tokens, block,
+                      _columns(args.block_size)[1:])
         done = run_pass(bench, samples, template, progress, done)
         results.append(bench.result())
     progress.close()

@@ -120,6 +120,29 @@ def test_inline_profile_and_block_size(pair, tmp_path, capsys):
     assert r0["summary"]["round_time_s"]["verify"] > 0
 
 
+def test_block_size_columns_side_by_side(pair, tmp_path, capsys):
+    """--block-size 4,auto,1: one DFlash column each in the same pass, each
+    with its speedup, tau and round split; auto is the main column."""
+    out = tmp_path / "r.json"
+    code = bm.main(_args(pair, out, "--block-size", "4,auto,1", "--max-samples", "1"))
+    printed = capsys.readouterr().out
+    assert code == 0
+    res = json.loads(out.read_text())
+    assert res["config"]["block_sizes"] == ["auto", "4", "1"] and res["config"]["adaptive"] is True
+    (r0,) = res["results"]
+    cols = r0["summary"]["columns"]
+    assert list(cols) == ["dflash", "dflash@4", "dflash@1"]
+    for k, col in cols.items():
+        assert col["speedup"] > 0 and col["round_time_s"]["verify"] > 0
+        assert r0["summary"]["methods"][k]["tau"] == col["tau"]
+    assert cols["dflash@1"]["tau"] == 1.0 and 1.0 <= cols["dflash@4"]["tau"] <= 4.0
+    (p0,) = r0["prompts"]
+    assert all(c["identical"] for c in p0["columns"].values()) and p0["identical"]
+    for name in ("dflash auto", "dflash 4", "dflash 1"):
+        assert name in printed
+    assert "round, dflash 4," in printed
+
+
 def test_differing_outputs_fail(pair, tmp_path):
     """--perturb-dflash gives the DFlash side alone a real repetition penalty:
     its tokens then differ from plain decoding, and the run must fail."""

@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from .errors import run_command
 
@@ -125,6 +125,24 @@ class Settings:
 
 
 @dataclass
+class Column:
+    """One DFlash configuration of a side-by-side run. ``key`` names it in
+    the run dicts: "dflash" for the main column, "dflash@<label>" for each
+    other one, which differs from the main column in one option."""
+
+    key: str
+    label: str
+    block: Union[int, str]
+    draft: object
+    options: Dict = field(default_factory=dict)  # accept_threshold, denoise_steps, proposal
+
+    @property
+    def exact(self) -> bool:
+        """Whether the output must equal the target's (no relaxed acceptance)."""
+        return self.options.get("accept_threshold") is None
+
+
+@dataclass
 class Models:
     """The loaded target, tokenizer, DFlash draft and optional baseline draft."""
 
@@ -183,9 +201,10 @@ def run_mlx(models: Models, ids: List[int], s: Settings, max_tokens=None, specul
     return _drive(gen, lambda r: [r.token], len(ids))[0]
 
 
-def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False, block=None) -> Run:
-    """DFlash ``stream_generate`` (at ``block``, default ``s.block_size``);
-    with ``profile`` also the per-round phases."""
+def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, profile=False,
+               col: Optional[Column] = None) -> Run:
+    """DFlash ``stream_generate`` (as ``col`` says, by default the main draft
+    at ``s.block_size``); with ``profile`` also the per-round phases."""
     import mlx.core as mx
 
     from .decoding import stream_generate
@@ -193,9 +212,10 @@ def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, pro
     procs = (s.processors or []) + (s.perturb or []) or None
     mx.reset_peak_memory()
     gen = stream_generate(
-        models.model, models.draft, models.tokenizer, ids,
-        block_size=s.block_size if block is None else block, max_tokens=max_tokens or s.max_tokens,
+        models.model, col.draft if col else models.draft, models.tokenizer, ids,
+        block_size=col.block if col else s.block_size, max_tokens=max_tokens or s.max_tokens,
         temperature=s.temp, seed=s.seed, logits_processors=procs, profile=profile,
+        **(col.options if col else {}),
     )
     run, stamps, items = _drive(gen, lambda r: r.tokens, len(ids))
     for i, (rounds, acc, timing) in enumerate(items):
@@ -253,22 +273,26 @@ def _ratio(a, b):
 
 def prompt_result(
     pid: str, runs: Dict[str, Run], prof: Optional[Run], block: int, exact: bool, category=None,
-    profs: Optional[Dict[str, Run]] = None,
+    profs: Optional[Dict[str, Run]] = None, cols: Optional[List[Column]] = None,
 ) -> dict:
     """The JSON record of one prompt; the token ids too when sampled or when
-    the outputs differ. With several block sizes, ``columns`` holds each
-    DFlash column's speedup, tau and identity (``identical``: all of them)."""
+    the outputs differ. With several DFlash columns, ``columns`` holds each
+    one's speedup, tau and identity; ``identical`` covers the exact ones, and
+    a relaxed column reports its ``agreement`` (the share of the plain output
+    it reproduced before its first difference)."""
     plain, fl = runs["plain"], runs["dflash"]
-    diff = first_difference(plain.tokens, fl.tokens)
-    columns = {}
-    for k in dflash_keys(runs):
-        d = first_difference(plain.tokens, runs[k].tokens)
-        p = (profs or {}).get(k)
-        columns[k] = dict(
-            speedup=_ratio(runs[k].decode_tps, plain.decode_tps), tau=runs[k].tau, identical=d is None,
+    cols = cols or [Column("dflash", "", None, None)]
+    diff, columns = None, {}
+    for c in cols:
+        d = first_difference(plain.tokens, runs[c.key].tokens)
+        p = (profs or {}).get(c.key)
+        columns[c.key] = dict(
+            speedup=_ratio(runs[c.key].decode_tps, plain.decode_tps), tau=runs[c.key].tau, identical=d is None,
             first_difference=d, round_time_s=round_split(p.phases) if p else None,
         )
-        if diff is None:
+        if not c.exact:
+            columns[c.key]["agreement"] = (len(plain.tokens) if d is None else d) / max(len(plain.tokens), 1)
+        elif diff is None:
             diff = d
     split = round_split(prof.phases) if prof else None
     step = 1 / plain.decode_tps if plain.decode_tps else None
@@ -323,8 +347,8 @@ def _pool(runs: List[Run]) -> dict:
 
 def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: Dict[str, List[Run]], block: int) -> dict:
     """Aggregate over prompts: pooled speeds (total tokens / total time);
-    with several block sizes, ``columns`` gives each one's speedup, tau and
-    round split."""
+    with several DFlash columns, ``columns`` gives each one's speedup, tau,
+    round split (and mean agreement, for a relaxed one)."""
     methods = {k: _pool([r[k] for r in runs]) for k in runs[0]}
     plain, fl = methods["plain"], methods["dflash"]
     acc = [a for r in runs for a in r["dflash"].accepted]
@@ -352,21 +376,19 @@ def summarize(records: List[dict], runs: List[Dict[str, Run]], profs: Dict[str, 
         for k in keys:
             sp = round_split([p for r in profs.get(k, []) for p in r.phases])
             s["columns"][k] = dict(
-                block=column_label(k), speedup=_ratio(methods[k]["decode_tps"], plain["decode_tps"]),
+                speedup=_ratio(methods[k]["decode_tps"], plain["decode_tps"]),
                 tau=methods[k].get("tau"), round_time_s=sp, **cost_model(methods[k].get("tau"), sp, step),
             )
+            agree = [r["columns"][k]["agreement"] for r in records if "agreement" in r["columns"][k]]
+            if agree:
+                s["columns"][k]["agreement"] = sum(agree) / len(agree)
     return s
 
 
 def dflash_keys(runs: Dict) -> List[str]:
-    """The DFlash methods of a run dict: "dflash" (the main block size), then
-    "dflash@<block>" for each other block size of ``--block-size``."""
+    """The DFlash methods of a run dict: "dflash" (the main column), then
+    "dflash@<label>" for each other column."""
     return [k for k in runs if k == "dflash" or k.startswith("dflash@")]
-
-
-def column_label(key: str) -> Optional[str]:
-    """"8" for "dflash@8"; None for the main column "dflash"."""
-    return key.split("@", 1)[1] if "@" in key else None
 
 
 def _group(runs: List[Dict[str, Run]]) -> dict:
@@ -433,17 +455,18 @@ NAMES = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
 
 
 def method_name(key: str, c: dict) -> str:
-    """Table name of a method; DFlash columns carry their block size."""
-    if key == "dflash" and len(c.get("block_sizes", [])) > 1:
-        return f"dflash {c['block_sizes'][0]}"
-    return NAMES.get(key) or f"dflash {column_label(key)}"
+    """Table name of a method; with several DFlash columns, each its label."""
+    cols = c.get("columns") or {}
+    if key in cols and len(cols) > 1:
+        return f"dflash {cols[key]}"
+    return NAMES[key]
 
 
 def block_text(c: dict) -> str:
-    """The block size(s) of a run: "auto, up to 16", "16" or "auto, 4, 8"."""
-    sizes = c.get("block_sizes") or [c["block_size"]]
-    if len(sizes) > 1:
-        return ", ".join(str(b) for b in sizes) + f" (drafts of {c['block_size']} at most)"
+    """The block size(s) of a run: "auto, up to 16", "16", or the columns."""
+    cols = c.get("columns") or {}
+    if len(cols) > 1:
+        return f"{c['block_size']} at most; columns " + ", ".join(cols.values())
     return f"{'auto, up to ' if c.get('adaptive') else ''}{c['block_size']}"
 
 
@@ -465,20 +488,25 @@ def format_categories(cats: Dict[str, dict]) -> List[str]:
 def format_result(r: dict, c: dict) -> str:
     """The summary of one temperature's pass."""
     s = r["summary"]
+    w = max(12, *(len(method_name(k, c)) + 2 for k in s["methods"]))
     lines = [
         f"{_temp_label(r)}: {s['prompts']} prompts ({c['dataset']}), max {c['max_tokens']} tokens, "
         f"block {block_text(c)}",
-        f"{'method':<12}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
+        f"{'method':<{w}}{'decode tok/s':>13}{'e2e tok/s':>11}{'speedup':>9}{'tau':>7}{'peak GB':>9}",
     ]
     plain = s["methods"]["plain"]
     for k, m in s["methods"].items():
         sp = _ratio(m["decode_tps"], plain["decode_tps"])
         lines.append(
-            f"{method_name(k, c):<12}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
+            f"{method_name(k, c):<{w}}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
             f"{_f(sp, '{:.2f}x'):>9}{_f(m.get('tau'), '{:.2f}'):>7}{_f(m['peak_memory_gb'], '{:.3f}'):>9}"
         )
     check = "required" if r["temp"] == 0 else "not required at temp > 0"
     lines.append(f"identical outputs: {s['identical']}/{s['prompts']} ({check})")
+    for k, col in s.get("columns", {}).items():
+        if "agreement" in col:
+            lines.append(f"{method_name(k, c)} (relaxed acceptance, not exact): output agrees with the "
+                         f"target's for {100 * col['agreement']:.0f}% of it, on average")
     if s["round_time_s"]:
         rt, co = s["round_time_s"], s["costs"]
         parts = [f"{k} {rt[k] * 1e3:.2f} ms ({co[k]:.2f} steps)" for k in PHASES]
@@ -588,8 +616,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed "
                         "number; a comma-separated list (e.g. 4,8,16,auto) measures each side by side, one column each.")
     p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
-    p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
-                   help="Quantize the DFlash draft's linear layers to this many bits at load.")
+    p.add_argument("--draft-bits", type=_list(_bits), default=[None],
+                   help="Quantize the DFlash draft's linear layers to this many bits (4 or 8) at load; "
+                        "a list such as none,8,4 adds a column for each after the first.")
+    p.add_argument("--proposal", type=_list(_proposal), default=["argmax"],
+                   help="How the draft proposes when sampling: argmax (default) or sample (p/q rule); "
+                        "a list adds a column for each after the first.")
+    p.add_argument("--denoise-steps", type=_list(int), default=[1],
+                   help="Draft passes per round (default 1); a list adds a column for each after the first.")
+    p.add_argument("--accept-threshold", type=_list(float), default=[],
+                   help="A relaxed (not exact) DFlash column for each value T in (0, 1]; its agreement "
+                        "with the target's output is reported instead of the identity check.")
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
     p.add_argument("--baseline-draft-model", default=None,
@@ -606,14 +643,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _list(parse: Callable) -> Callable[[str], list]:
+    """An argparse type: comma-separated values of ``parse``, without repeats."""
+
+    def f(text: str) -> list:
+        try:
+            out = [parse(t.strip()) for t in str(text).split(",") if t.strip()]
+        except ValueError:
+            out = []
+        if not out:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+        return list(dict.fromkeys(out))
+
+    return f
+
+
+def _bits(text: str) -> Optional[int]:
+    if text.lower() == "none":
+        return None
+    if text not in ("4", "8"):
+        raise argparse.ArgumentTypeError(f"draft bits are 4, 8 or none, got {text!r}")
+    return int(text)
+
+
+def _proposal(text: str) -> str:
+    if text not in ("argmax", "sample"):
+        raise argparse.ArgumentTypeError(f"proposal is argmax or sample, got {text!r}")
+    return text
+
+
 def block_sizes_arg(text: str) -> list:
     """``--block-size`` values: "auto" or integers, comma-separated, without repeats."""
     from .generate import block_size_arg
 
-    sizes = [block_size_arg(t) for t in str(text).split(",") if t.strip()]
-    if not sizes:
-        raise argparse.ArgumentTypeError("expected integers or 'auto', comma-separated")
-    return list(dict.fromkeys(sizes))
+    return _list(block_size_arg)(text)
 
 
 def main_block(sizes: list):
@@ -629,6 +692,10 @@ def _check(args) -> None:
     for v in args.block_size:
         if isinstance(v, int) and v < 1:
             raise BenchmarkError(f"--block-size must be at least 1, got {v}.")
+    if any(k < 1 for k in args.denoise_steps):
+        raise BenchmarkError(f"--denoise-steps must be at least 1, got {args.denoise_steps}.")
+    if any(not 0 < t <= 1 for t in args.accept_threshold):
+        raise BenchmarkError(f"--accept-threshold values must be in (0, 1], got {args.accept_threshold}.")
     parse_temps(args.temp)
     if args.warmup_tokens < 0:
         raise BenchmarkError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
@@ -684,6 +751,39 @@ def load_models(paths: Dict[str, Optional[str]], demo: bool, draft_bits: Optiona
     return Models(model, tokenizer, draft, baseline, demo, paths)
 
 
+def make_columns(args, models: Models) -> List[Column]:
+    """The DFlash columns: the main one (auto if listed, else the first block
+    size, with the first value of every other list), then one column per
+    other value of each list, differing from the main column in that alone."""
+    from .loading import load_draft
+
+    block, bits = main_block(args.block_size), args.draft_bits[0]
+    main = dict(denoise_steps=args.denoise_steps[0], proposal=args.proposal[0])
+    label = [str(block)] + [f"bits={bits}"] * (bits is not None)
+    if main["denoise_steps"] != 1:
+        label.append(f"denoise={main['denoise_steps']}")
+    if main["proposal"] != "argmax":
+        label.append(f"proposal={main['proposal']}")
+    cols = [Column("dflash", " ".join(label), block, models.draft, main)]
+
+    def add(label, **change):
+        draft = change.pop("draft", models.draft)
+        cols.append(Column(f"dflash@{label}", label, change.pop("block", block), draft, {**main, **change}))
+
+    for b in args.block_size:
+        if b != block:
+            add(str(b), block=b)
+    for b in args.draft_bits[1:]:
+        add(f"bits={b}", draft=load_draft(models.paths["draft"], bits=b))
+    for k in args.denoise_steps[1:]:
+        add(f"denoise={k}", denoise_steps=k)
+    for q in args.proposal[1:]:
+        add(f"proposal={q}", proposal=q)
+    for t in args.accept_threshold:
+        add(f"threshold={t:g}", accept_threshold=t)
+    return cols
+
+
 def render(tokenizer, messages: List[dict], template: bool) -> str:
     """A chat as prompt text: the chat template (thinking off) or, without
     one, the contents joined by blank lines."""
@@ -706,14 +806,14 @@ def encode(tokenizer, text: str) -> List[int]:
 class Bench:
     """Runs the methods on prompts and collects records."""
 
-    def __init__(self, models: Models, s: Settings, profile: str, warmup: int, block: int, others=()):
+    def __init__(self, models: Models, s: Settings, profile: str, warmup: int, block: int,
+                 cols: Optional[List[Column]] = None):
         self.m, self.s, self.profile, self.warmup, self.block = models, s, profile, warmup, block
         inline = profile == "inline"
-        # key -> block size of each DFlash column ("dflash": s.block_size)
-        self.blocks = {"dflash": s.block_size, **{f"dflash@{b}": b for b in others}}
+        self.cols = cols or [Column("dflash", str(s.block_size), s.block_size, models.draft)]
         self.methods = {"plain": lambda ids, n=None: run_mlx(self.m, ids, self.s, n)}
-        for k, b in self.blocks.items():
-            self.methods[k] = lambda ids, n=None, b=b: run_dflash(self.m, ids, self.s, n, profile=inline, block=b)
+        for c in self.cols:
+            self.methods[c.key] = lambda ids, n=None, c=c: run_dflash(self.m, ids, self.s, n, profile=inline, col=c)
         if models.baseline is not None:
             self.methods["baseline"] = lambda ids, n=None: run_mlx(self.m, ids, self.s, n, speculative=True)
         self.records, self.runs, self.profs = [], [], {}
@@ -733,12 +833,12 @@ class Bench:
             runs[name] = self.methods[name](ids)
         profs = {}
         if self.profile == "inline":
-            profs = {k: runs[k] for k in self.blocks}
+            profs = {c.key: runs[c.key] for c in self.cols}
         elif self.profile == "separate":
-            for k, b in self.blocks.items():
-                show(f"{pid}: profiled {k}")
-                profs[k] = run_dflash(self.m, ids, self.s, profile=True, block=b)
-        rec = prompt_result(pid, runs, profs.get("dflash"), self.block, self.s.temp == 0, category, profs)
+            for c in self.cols:
+                show(f"{pid}: profiled {c.key}")
+                profs[c.key] = run_dflash(self.m, ids, self.s, profile=True, col=c)
+        rec = prompt_result(pid, runs, profs.get("dflash"), self.block, self.s.temp == 0, category, profs, self.cols)
         self.records.append(rec)
         self.runs.append(runs)
         for k, p in profs.items():
@@ -766,7 +866,7 @@ def _settings(args, temp: float) -> Settings:
     return Settings(args.max_tokens, temp, main_block(args.block_size), seed, args.num_draft_tokens, procs, perturb)
 
 
-def _config(args, models: Models, block: int, template: bool) -> dict:
+def _config(args, models: Models, block: int, template: bool, cols: List[Column]) -> dict:
     import mlx.core as mx
     import mlx_lm
 
@@ -780,13 +880,13 @@ def _config(args, models: Models, block: int, template: bool) -> dict:
         temps=parse_temps(args.temp),
         block_size=block,  # the longest round of any column
         adaptive=main_block(args.block_size) == "auto",
-        block_sizes=[str(b) for b in _columns(args.block_size)],  # the main column first
+        columns={c.key: c.label for c in cols},  # the DFlash columns, the main one first
         seed=args.seed,
         num_draft_tokens=args.num_draft_tokens if models.baseline is not None else None,
         chat_template=template,
         repetition_penalty=args.repetition_penalty,
         perturb_dflash=args.perturb_dflash,
-        draft_bits=getattr(args, "draft_bits", None),
+        draft_bits=args.draft_bits[0],
         warmup_tokens=args.warmup_tokens,
         profile=args.profile,
         timing="decode: first generated token to last (prefill excluded); e2e: call to last token",
@@ -824,12 +924,6 @@ def compare_to_greedy(results: List[dict]) -> None:
         r["speedup_vs_greedy"] = _ratio(r["summary"]["speedup"], greedy) if r["temp"] > 0 else None
 
 
-def _columns(sizes: list) -> list:
-    """The block sizes in column order: the main one first."""
-    m = main_block(sizes)
-    return [m] + [b for b in sizes if b != m]
-
-
 def benchmark(args, progress: Optional[Progress] = None) -> dict:
     """Run the benchmark described by parsed ``args``; return the results:
     the shared config and one result per temperature."""
@@ -839,21 +933,21 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     temps = parse_temps(args.temp)
     paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
-    models = load_models(paths, is_demo(paths["model"]), getattr(args, "draft_bits", None))
-    block = max(b if isinstance(b, int) else models.draft.block_size for b in args.block_size)
+    models = load_models(paths, is_demo(paths["model"]), args.draft_bits[0])
+    cols = make_columns(args, models)
+    block = max(c.block if isinstance(c.block, int) else c.draft.block_size for c in cols)
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))
     progress = progress or Progress(sum(len(x.turns) or 1 for x in samples) * len(temps))
     results, done = [], 0
     for temp in temps:
-        bench = Bench(models, _settings(args, temp), args.profile, args.warmup_tokens, block,
-                      _columns(args.block_size)[1:])
+        bench = Bench(models, _settings(args, temp), args.profile, args.warmup_tokens, block, cols)
         done = run_pass(bench, samples, template, progress, done)
         results.append(bench.result())
     progress.close()
     compare_to_greedy(results)
     failures = [p["id"] for r in results for p in r["prompts"] if p["checked"] and not p["identical"]]
     return dict(
-        config=_config(args, models, block, template),
+        config=_config(args, models, block, template, cols),
         results=results,
         failures=failures,
         ok=not failures,

@@ -128,7 +128,7 @@ def test_block_size_columns_side_by_side(pair, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0
     res = json.loads(out.read_text())
-    assert res["config"]["block_sizes"] == ["auto", "4", "1"] and res["config"]["adaptive"] is True
+    assert list(res["config"]["columns"].values()) == ["auto", "4", "1"] and res["config"]["adaptive"] is True
     (r0,) = res["results"]
     cols = r0["summary"]["columns"]
     assert list(cols) == ["dflash", "dflash@4", "dflash@1"]
@@ -141,6 +141,41 @@ def test_block_size_columns_side_by_side(pair, tmp_path, capsys):
     for name in ("dflash auto", "dflash 4", "dflash 1"):
         assert name in printed
     assert "round, dflash 4," in printed
+
+
+def test_variant_columns(pair, tmp_path, capsys):
+    """Each extra value of --draft-bits / --denoise-steps / --proposal and each
+    --accept-threshold is a column differing from the main one in that alone;
+    exact columns must match plain decoding, the relaxed one reports its
+    agreement instead (and cannot fail the run)."""
+    out = tmp_path / "r.json"
+    code = bm.main(_args(pair, out, "--block-size", "8", "--draft-bits", "none,8", "--denoise-steps", "1,2",
+                         "--proposal", "argmax,sample", "--accept-threshold", "0.05", "--max-samples", "1",
+                         "--profile", "off"))
+    printed = capsys.readouterr().out
+    assert code == 0
+    res = json.loads(out.read_text())
+    labels = ["8", "bits=8", "denoise=2", "proposal=sample", "threshold=0.05"]
+    assert list(res["config"]["columns"].values()) == labels
+    (r0,) = res["results"]
+    cols = r0["prompts"][0]["columns"]
+    for k in ("dflash", "dflash@bits=8", "dflash@denoise=2", "dflash@proposal=sample"):
+        assert cols[k]["identical"] and "agreement" not in cols[k]
+    relaxed = cols["dflash@threshold=0.05"]
+    assert 0 <= relaxed["agreement"] <= 1 and relaxed["agreement"] == (
+        1.0 if relaxed["identical"] else relaxed["first_difference"] / len(r0["prompts"][0]["tokens"]["plain"]))
+    assert "dflash threshold=0.05 (relaxed acceptance, not exact)" in printed
+    assert r0["summary"]["columns"]["dflash@threshold=0.05"]["agreement"] == relaxed["agreement"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--draft-bits", "3"], "draft bits are 4, 8 or none"),
+    (["--accept-threshold", "1.5"], "--accept-threshold values must be in (0, 1]"),
+    (["--denoise-steps", "0"], "--denoise-steps must be at least 1"),
+])
+def test_bad_variant_values(pair, tmp_path, extra, message):
+    r = _cli(_args(pair, tmp_path / "r.json", *extra))
+    assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr
 
 
 def test_differing_outputs_fail(pair, tmp_path):

@@ -627,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-threshold", type=_list(float), default=[],
                    help="A relaxed (not exact) DFlash column for each value T in (0, 1]; its agreement "
                         "with the target's output is reported instead of the identity check.")
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
+                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
     p.add_argument("--baseline-draft-model", default=None,
@@ -739,11 +742,12 @@ def is_demo(model: str) -> bool:
     return Path(model).expanduser().resolve() == (DEMO / "target").resolve()
 
 
-def load_models(paths: Dict[str, Optional[str]], demo: bool, draft_bits: Optional[int] = None) -> Models:
+def load_models(paths: Dict[str, Optional[str]], demo: bool, draft_bits: Optional[int] = None,
+                pipeline: bool = False) -> Models:
     """Load the target, the DFlash draft and the optional baseline draft."""
     from .loading import check_compatible, load, load_draft
 
-    model, tokenizer = load(paths["model"])
+    model, tokenizer = load(paths["model"], pipeline=pipeline)
     draft = load_draft(paths["draft"], bits=draft_bits)
     check_compatible(draft, model)
     base = paths["baseline_draft_model"]
@@ -933,7 +937,7 @@ def benchmark(args, progress: Optional[Progress] = None) -> dict:
     temps = parse_temps(args.temp)
     paths = resolve(args)
     samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
-    models = load_models(paths, is_demo(paths["model"]), args.draft_bits[0])
+    models = load_models(paths, is_demo(paths["model"]), args.draft_bits[0], getattr(args, "pipeline", False))
     cols = make_columns(args, models)
     block = max(c.block if isinstance(c.block, int) else c.draft.block_size for c in cols)
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposal", choices=("argmax", "sample"), default="argmax",
                    help="Draft tokens: the draft's argmax, or sampled from it and verified with the "
                         "p/q rule (temperature > 0).")
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
+                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
         "--compare",
@@ -152,7 +155,7 @@ def _run(args) -> int:
 
     quiet_followers()  # launched on several ranks: only rank 0 prints
     model_path, draft_path = _resolve(args)
-    model, tokenizer = load(model_path)
+    model, tokenizer = load(model_path, pipeline=args.pipeline)
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     prompt = _prompt(args, tokenizer)
     processors = None

@@ -100,6 +100,8 @@ def load(
             or a short name such as ``smollm2`` (see :mod:`dflash_mlx.registry`).
         dtype: Cast floating weights to this type. Default: float32 on the CPU
             (half-precision matmuls are slow there), unchanged on the GPU.
+        pipeline: Under ``mlx.launch``, shard the target as a pipeline (each
+            rank runs a slice of the layers) instead of tensor parallel.
 
     Returns:
         (model, tokenizer)
@@ -315,11 +317,6 @@ def save_draft(draft: DFlashDraft, path: str, dtype: mx.Dtype = mx.bfloat16) -> 
 def check_compatible(draft: DFlashDraft, model: nn.Module) -> None:
     """Raise IncompatibleDraftError if ``draft`` cannot run on ``model``."""
     cfg, target = draft.config, Target(model)
-    if getattr(target.inner, "pipeline_size", 1) > 1:
-        raise UnsupportedModelError(
-            "DFlash cannot draft on a pipeline-sharded target yet (the draft reads "
-            "layers held by other ranks); load it tensor parallel, or use block_size=1."
-        )
     if cfg.hidden_size != target.hidden_size:
         raise IncompatibleDraftError(
             f"Draft hidden_size {cfg.hidden_size} != target hidden size "

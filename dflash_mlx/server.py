@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from .decoding import DraftCache
 from .errors import DFlashError, run_command
-from .target import Target
+from .target import Target, model_args
 
 log = logging.getLogger("dflash_mlx.server")
 
@@ -148,12 +148,8 @@ class Served:
 
 
 def _context_length(model) -> Optional[int]:
-    args = getattr(model, "args", None)
-    for src in (args, getattr(args, "text_config", None)):
-        src = src if isinstance(src, dict) else vars(src) if src is not None else {}
-        if isinstance(src.get("max_position_embeddings"), int):
-            return src["max_position_embeddings"]
-    return None
+    n = model_args(model).get("max_position_embeddings")
+    return n if isinstance(n, int) else None
 
 
 # ---------------------------------------------------------------- requests
@@ -520,6 +516,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=512, help="Default max_tokens of a request.")
     p.add_argument("--block-size", type=block_size_arg, default="auto")
+    p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                   help="Quantize the draft's linear layers to this many bits at load.")
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
+                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
     p.add_argument("--prompt-cache-size", type=int, default=4, help="Conversations whose cache is kept.")
@@ -540,8 +541,8 @@ def _run(args) -> int:
     if not isinstance(args.chat_template_args, dict):
         raise ValueError("--chat-template-args must be a JSON object.")
     model_path, draft_path = _resolve(args)
-    model, tokenizer = load(model_path)
-    draft = None if args.block_size == 1 else load_draft(draft_path)
+    model, tokenizer = load(model_path, pipeline=args.pipeline)
+    draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size)
     server = make_server(served, args.host, args.port)

@@ -71,9 +71,16 @@ class Target:
         self.head = lm_head if lm_head is not None else self.embed.as_linear
         self._head_rows = lm_head if lm_head is not None else self.embed
         self.lock = _lock_for(model)
+        # A pipeline-sharded target (mlx-lm's PipelineMixin) runs only layers
+        # start..end-1 here; the other entries are None or cut off.
+        self.start = getattr(self.inner, "start_idx", 0) or 0
+        self.end = getattr(self.inner, "end_idx", None) or len(self.layers)
+        self.pipeline = getattr(self.inner, "pipeline_size", 1) > 1
 
     @property
     def num_layers(self) -> int:
+        if self.pipeline:
+            return model_args(self.model)["num_hidden_layers"]
         return len(self.layers)
 
     @property
@@ -108,7 +115,7 @@ class Target:
     def check_rollback(self, cache: list) -> None:
         """Raise UnsupportedModelError unless every cache can be rolled back."""
         check_rollback(cache)
-        for layer, c in zip(self.layers, cache):
+        for layer, c in zip(self.layers[self.start : self.end], cache):
             if isinstance(c, ArraysCache):
                 _gated_delta(layer)
 
@@ -128,8 +135,7 @@ class Target:
             run_cache,
         ):
             logits = self.model(tokens[None], cache=run_cache or cache)
-            feats = [taps[i].value for i in layer_ids]
-        features = mx.concatenate(feats, axis=-1) if feats else None
+            features = self._collect(taps, layer_ids, tokens[None], logits)
         return logits[0], features, (tape if record else None)
 
     def hidden(self, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
@@ -138,16 +144,34 @@ class Target:
         [B, S, n*H] (used to train drafts)."""
         with self.lock, self._taps(layer_ids, None) as (taps, _, _):
             logits = self.model(tokens)
-            feats = [taps[i].value for i in layer_ids]
-        return logits, mx.concatenate(feats, axis=-1)
+            return logits, self._collect(taps, layer_ids, tokens, logits)
 
     def features(self, tokens: mx.array, layer_ids: List[int]) -> mx.array:
         """The concatenated outputs of ``layer_ids`` [B, S, n*H] for a batch
         ``tokens`` [B, S], without running the LM head."""
         with self.lock, self._taps(layer_ids, None) as (taps, _, _):
-            self.inner(tokens)
-            feats = [taps[i].value for i in layer_ids]
-        return mx.concatenate(feats, axis=-1)
+            h = self.inner(tokens)
+            return self._collect(taps, layer_ids, tokens, h)
+
+    def _collect(self, taps, layer_ids, tokens, out) -> Optional[mx.array]:
+        """The tapped outputs, concatenated. On a pipeline each rank holds only
+        its own layers' outputs: the others are zeros here, and one sum over
+        the ranks completes them (exactly: x + 0 = x). Ranks must run their
+        collectives in one order, so the sum waits for the forward's ``out``
+        and runs now, before anything lazy could reorder it."""
+        if not layer_ids:
+            return None
+        if not self.pipeline:
+            return mx.concatenate([taps[i].value for i in layer_ids], axis=-1)
+        from .distributed import group
+
+        shape = (*tokens.shape, self.hidden_size)
+        dtype = next((t.value.dtype for t in taps.values()), mx.float32)
+        parts = [taps[i].value if i in taps else mx.zeros(shape, dtype) for i in layer_ids]
+        mine = mx.depends(mx.concatenate(parts, axis=-1), out)
+        total = mx.distributed.all_sum(mine, group=group())
+        mx.eval(total)
+        return total
 
     @contextmanager
     def _taps(self, layer_ids, cache):
@@ -159,12 +183,13 @@ class Target:
         tape, run_cache = [], None
         try:
             for i in sorted(set(layer_ids)):
-                taps[i] = self.layers[i] = _Tap(self.layers[i], "output")
+                if self.start <= i < self.end:  # this rank's layers
+                    taps[i] = self.layers[i] = _Tap(self.layers[i], "output")
             if cache is not None:
                 run_cache = list(cache)
-                for i, c in enumerate(cache):
+                for j, c in enumerate(cache):  # caches of this rank's layers
                     if isinstance(c, ArraysCache):
-                        layer = self.layers[i]
+                        layer = self.layers[self.start + j]
                         layer = layer.module if isinstance(layer, _Tap) else layer
                         gdn = _gated_delta(layer)
                         inp, conv = _Tap(gdn, "input"), _Tap(gdn.conv1d, "input")
@@ -172,8 +197,8 @@ class Target:
                         gdn.conv1d, layer.linear_attn = conv, inp
                         tape.append(DeltaTape(c, list(c.cache), gdn, inp, conv))
                     elif not trims_exactly(c):
-                        run_cache[i] = _CacheTap(c)
-                        tape.append(CacheTape(c, c.state, run_cache[i]))
+                        run_cache[j] = _CacheTap(c)
+                        tape.append(CacheTape(c, c.state, run_cache[j]))
             yield taps, tape, run_cache
         finally:
             for i, tap in taps.items():
@@ -196,6 +221,16 @@ class _CacheTap:
     def update_and_fetch(self, keys, values):
         self.value = (keys, values)
         return self.cache.update_and_fetch(keys, values)
+
+
+def model_args(model: nn.Module) -> Dict:
+    """The text model's config as a dict (``args``, or its ``text_config``)."""
+    for m in (model, getattr(model, "language_model", None)):
+        a = getattr(m, "args", None)
+        if a is not None:
+            a = getattr(a, "text_config", None) or a
+            return a if isinstance(a, dict) else vars(a)
+    return {}
 
 
 def _gated_delta(layer: nn.Module) -> nn.Module:

@@ -29,7 +29,7 @@ from .draft import DFlashDraft
 from .features import FeatureStore
 from .errors import DFlashError, run_command
 from .loading import load, load_draft, save_draft
-from .target import Target
+from .target import Target, model_args
 
 
 def make_schedule(lr: float, steps: int, warmup: int):
@@ -153,19 +153,10 @@ def unused_special(tokenizer) -> Optional[int]:
     return max(free) if free else None
 
 
-def _model_args(model) -> Dict:
-    for m in (model, getattr(model, "language_model", None)):
-        a = getattr(m, "args", None)
-        if a is not None:
-            a = getattr(a, "text_config", None) or a
-            return a if isinstance(a, dict) else vars(a)
-    return {}
-
-
 def draft_config(model, tokenizer, a: TrainArgs) -> DFlashConfig:
     """A draft config matching the target's width, heads and RoPE."""
     t = Target(model)
-    ma = _model_args(model)
+    ma = model_args(model)
     H, T = t.hidden_size, t.num_layers
     heads = ma.get("num_attention_heads") or max(1, H // 64)
     ids = a.target_layer_ids or default_layer_ids(T, a.depth)

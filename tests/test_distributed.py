@@ -4,6 +4,7 @@ mlx-lm decoding of the sharded target; a rank that dies ends the other."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -120,7 +121,17 @@ def launch(args, timeout=120, env=None):
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", *args]
     env = dict(os.environ, **(env or {}))
     env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    # Its own session: on a timeout the ranks are killed with mlx.launch (a
+    # rank stuck in a ring collective would otherwise spin on after the test).
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

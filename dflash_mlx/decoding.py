@@ -9,12 +9,12 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .distributed import agree
+from .distributed import agree, group
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs, confidence
-from .rollback import rollback
+from .rollback import rollback, trims_exactly
 from .sampling import (
     Keys,
     Sampler,
@@ -84,23 +84,35 @@ class DraftCache:
 
     def __init__(self, draft: DFlashDraft):
         self.cache = draft.make_cache()
-        self.pending: Optional[mx.array] = None
+        self._parts: List[mx.array] = []  # joined once, when read
+
+    @property
+    def pending(self) -> Optional[mx.array]:
+        """The queued features [1, L, n*H], or None."""
+        if len(self._parts) > 1:
+            self._parts = [mx.concatenate(self._parts, axis=1)]
+        return self._parts[0] if self._parts else None
+
+    @pending.setter
+    def pending(self, features: Optional[mx.array]) -> None:
+        self._parts = [] if features is None else [features]
 
     @property
     def size(self) -> int:
         """Tokens covered: read into the cache or pending."""
-        return self.cache[0].offset + (self.pending.shape[1] if self.pending is not None else 0)
+        return self.cache[0].offset + sum(p.shape[1] for p in self._parts)
 
     def extend(self, features: mx.array) -> None:
         """Queue target features [1, L, n*H] the draft has not read yet."""
-        self.pending = features if self.pending is None else mx.concatenate([self.pending, features], axis=1)
+        self._parts.append(features)
 
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens."""
-        if self.pending is not None and n > 0:
-            keep = max(self.pending.shape[1] - n, 0)
-            n -= self.pending.shape[1] - keep
-            self.pending = self.pending[:, :keep] if keep else None
+        pending = self.pending
+        if pending is not None and n > 0:
+            keep = max(pending.shape[1] - n, 0)
+            n -= pending.shape[1] - keep
+            self.pending = pending[:, :keep] if keep else None
         for c in self.cache:
             c.trim(n)
 
@@ -221,7 +233,8 @@ def stream_generate(
         prefill_step_size: Prompt tokens per prefill forward pass.
         prompt_cache: A target cache from ``mlx_lm.models.cache.make_prompt_cache``
             holding earlier turns; the prompt continues it, and it is updated
-            in place (after each response it holds every token but the last).
+            in place (once the generation ends or its generator is closed, it
+            holds every token but the last).
         draft_cache: With ``prompt_cache``, the draft's context for the same
             tokens (a :class:`DraftCache`), updated in place; without it the
             draft starts from the new tokens only (lower acceptance, same text).
@@ -296,44 +309,49 @@ def stream_generate(
         prompt_tps = len(ids) / (time.perf_counter() - tic)
         tic = time.perf_counter()
         n = 0
-        while True:
-            # Commit this round's tokens up to an EOS or max_tokens.
-            finish, new = None, []
-            for t in tokens:
-                new.append(t)
-                n += 1
-                if t in eos:
-                    finish = "stop"
-                    break
-                detok.add_token(t)
-                if n == max_tokens:
-                    finish = "length"
-                    break
-            if finish:
-                detok.finalize()
-            history.extend(new)
-            yield GenerationResponse(
-                text=detok.last_segment,
-                token=new[-1],
-                tokens=new,
-                accepted=len(tokens),
-                prompt_tokens=len(ids),
-                prompt_tps=prompt_tps,
-                generation_tokens=n,
-                generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                rounds=dec.rounds,
-                committed=dec.committed,
-                verified=dec.verified,
-                timing=dec.timing,
-                from_draft=len(tokens) > 1,
-                exact=accept_threshold is None,
-            )
-            if finish:
-                return
+        try:
+            while True:
+                # Commit this round's tokens up to an EOS or max_tokens.
+                finish, new = None, []
+                for t in tokens:
+                    new.append(t)
+                    n += 1
+                    if t in eos:
+                        finish = "stop"
+                        break
+                    detok.add_token(t)
+                    if n == max_tokens:
+                        finish = "length"
+                        break
+                if finish:
+                    detok.finalize()
+                history.extend(new)
+                yield GenerationResponse(
+                    text=detok.last_segment,
+                    token=new[-1],
+                    tokens=new,
+                    accepted=len(tokens),
+                    prompt_tokens=len(ids),
+                    prompt_tps=prompt_tps,
+                    generation_tokens=n,
+                    generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=finish,
+                    rounds=dec.rounds,
+                    committed=dec.committed,
+                    verified=dec.verified,
+                    timing=dec.timing,
+                    from_draft=len(tokens) > 1,
+                    exact=accept_threshold is None,
+                )
+                if finish:
+                    return
+                with target.lock, mx.stream(generation_stream):
+                    tokens = dec.round(history, min(top, max_tokens - n), more=max_tokens - n > 1)
+        finally:
+            # A step queued ahead (plain steps run pipelined) leaves the caches.
             with target.lock, mx.stream(generation_stream):
-                tokens = dec.round(history, min(top, max_tokens - n))
+                dec.settle()
 
 
 class _Decoder:
@@ -361,6 +379,13 @@ class _Decoder:
             self.head = target.head_over(self.vocab) if vocab else target.head
         self.policy: Optional[Policy] = None  # chooses each round's length ("auto")
         self.rounds, self.committed, self.verified, self.timing = 0, 0, 0, None
+        # Plain steps run pipelined as mlx-lm's own loop does (the next step is
+        # queued on the lazily chosen token before this one is read) where a
+        # queued step can be taken back: trimmable caches, one process, and
+        # no logits processors (they would need the token on the host).
+        self.pipelined = (not processors and not profile and group() is None
+                          and all(trims_exactly(c) for c in self.cache))
+        self.ahead = None  # the queued step: (token [1], features)
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -375,14 +400,17 @@ class _Decoder:
         logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
         return agree(self.sampler(logp)).tolist()
 
-    def round(self, history: List[int], length: int) -> List[int]:
+    def round(self, history: List[int], length: int, more: bool = False) -> List[int]:
         """Draft ``length - 1`` tokens after the last one (with a policy: up
         to that many, maybe none), verify them and return the committed
-        tokens (accepted drafts plus the bonus)."""
+        tokens (accepted drafts plus the bonus). ``more``: the generation
+        goes on after this round unless it ends with an EOS."""
         clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
         policy, proposal, q = self.policy, None, None
         drafted = self.draft is not None and length > 1 and (policy is None or policy.drafts())
+        if not drafted and self.pipelined:
+            return self._plain(anchor, more)
         if drafted:
             t = self.target
             # The draft always fills the block it was trained on: a shorter
@@ -426,6 +454,35 @@ class _Decoder:
         self.committed += a + 1
         self.verified = block.shape[0]
         return out[: a + 1]
+
+    def _plain(self, anchor: mx.array, more: bool) -> List[int]:
+        """A plain step, the next one queued before this one's token is read
+        when the next round is a plain step too."""
+        y, f = self.ahead if self.ahead is not None else self._step(anchor)
+        self.ahead = None
+        if more and (self.draft is None or (self.policy is not None and not self.policy.drafts(after=1))):
+            self.ahead = self._step(y)
+            mx.async_eval(self.ahead[0])
+        if f is not None:
+            self.dstate.extend(f)
+        if self.policy is not None:
+            self.policy.update(1, 0, False)
+        self.rounds += 1
+        self.committed += 1
+        self.verified = 1
+        return y.tolist()
+
+    def _step(self, token: mx.array):
+        """The target's next token [1] after ``token`` [1], and the features, lazily."""
+        logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
+        return self.sampler(process(logits[-1:], None, None, None)).astype(token.dtype), f
+
+    def settle(self) -> None:
+        """Take a queued step back out of the caches (the generation ended)."""
+        if self.ahead is not None:
+            self.ahead = None
+            for c in self.cache:
+                c.trim(1)
 
     def _choose(self, logits, history, block, proposal, exact=False, q=None):
         """The tokens for the block (then the acceptance count and the fast

@@ -116,9 +116,10 @@ class Policy:
         self.hits, self.trials = [0.0] * self.bins, [0.0] * self.bins  # by confidence bin
         self._seen: List[float] = []
 
-    def drafts(self) -> bool:
-        """Whether this round runs the draft (else it is a plain step)."""
-        return self.skip == 0
+    def drafts(self, after: int = 0) -> bool:
+        """Whether this round (or, with ``after`` plain steps taken first, a
+        later one) runs the draft, else it is a plain step."""
+        return self.skip <= after
 
     def chance(self, c: float) -> float:
         """The estimated acceptance chance of a guess of confidence ``c``."""

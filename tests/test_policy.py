@@ -171,10 +171,13 @@ def test_cli_parsers_accept_auto():
     from dflash_mlx import benchmark
     from dflash_mlx.generate import build_parser
 
-    for parser in (build_parser(), benchmark.build_parser()):
-        assert parser.parse_args([]).block_size == "auto"
-        assert parser.parse_args(["--block-size", "auto"]).block_size == "auto"
-        assert parser.parse_args(["--block-size", "4"]).block_size == 4
+    p = build_parser()
+    assert p.parse_args([]).block_size == "auto"
+    assert p.parse_args(["--block-size", "auto"]).block_size == "auto"
+    assert p.parse_args(["--block-size", "4"]).block_size == 4
+    p = benchmark.build_parser()  # a list of columns
+    assert p.parse_args([]).block_size == ["auto"]
+    assert p.parse_args(["--block-size", "4,auto,4"]).block_size == [4, "auto"]
 
 
 def test_policy_rule():
@@ -222,3 +225,36 @@ def test_costs_are_measured_once_and_cached(loaded, draft_for, tmp_path, monkeyp
             assert pol.cached_costs(Target(model), draft) == again  # the file was rewritten
     assert len(measured) == 3
     assert not list((tmp_path / "costs").glob("*.tmp"))
+
+
+def test_pipelined_plain_steps_leave_the_caches_whole(loaded, draft_for):
+    """Plain steps run pipelined (the next step queued before this one's token
+    is read). A generation closed early, or ended by max_tokens, leaves the
+    prompt cache holding every token but the last, so continuing it gives
+    exactly a fresh run's tokens; with a draft the draft cache matches."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash_mlx.decoding import DraftCache
+
+    model, tok, folder = loaded("qwen3")
+    prompt = PROMPTS[0]
+    ids = tok.encode(prompt)
+    ref = mlx_tokens(model, tok, prompt, 24)
+    for draft, bs in ((None, 1), (draft_for(folder), "auto")):
+        cache = make_prompt_cache(model)
+        dcache = DraftCache(draft) if draft is not None else None
+        gen = stream_generate(model, draft, tok, ids, block_size=bs, max_tokens=24, prompt_cache=cache,
+                              draft_cache=dcache, costs=COSTS)
+        got = []
+        for r in gen:
+            got += r.tokens
+            if len(got) >= 9:
+                break
+        gen.close()
+        assert got == ref[: len(got)]
+        assert cache[0].offset == len(ids) + len(got) - 1
+        if dcache is not None:
+            assert dcache.size == cache[0].offset
+        rest = [t for r in stream_generate(model, draft, tok, got[-1:], block_size=bs, max_tokens=24 - len(got),
+                                           prompt_cache=cache, draft_cache=dcache, costs=COSTS) for t in r.tokens]
+        assert got + rest == ref

@@ -301,6 +301,8 @@ def stream_generate(
                 # The cost model times one draft pass.
                 c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
                 dec.policy = Policy(c, top)
+                if seed is None:  # a seeded run draws per round: its rounds must repeat
+                    dec.policy.recall(draft)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -352,6 +354,8 @@ def stream_generate(
             # A step queued ahead (plain steps run pipelined) leaves the caches.
             with target.lock, mx.stream(generation_stream):
                 dec.settle()
+            if dec.policy is not None:
+                dec.policy.remember(draft)
 
 
 class _Decoder:

@@ -15,6 +15,7 @@ import platform
 import time
 import uuid
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -83,7 +84,10 @@ class Policy:
     maximises E(L) / (draft + verify(L)), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
     confidence were accepted in this stretch of drafting, starting from the
-    confidence itself. Each probe starts a fresh stretch.
+    confidence itself. Each probe starts a fresh stretch. The back-off
+    carries over from one generation to the next with the same draft
+    (:meth:`recall`, :meth:`remember`): a draft found useless is not probed
+    afresh, at a draft pass each, at the start of every generation.
 
     Args:
         costs: The cost model.
@@ -101,7 +105,7 @@ class Policy:
     memory: float = 0.9
     recent: float = 0.7
     prior: float = 2.0
-    max_wait: int = 64
+    max_wait: int = 128
     bins: int = 10
     made: float = field(init=False, default=0.0)  # tokens of recent drafting rounds
     spent: float = field(init=False, default=0.0)  # and their cost, in plain steps
@@ -115,6 +119,17 @@ class Policy:
     def _reset(self):
         self.hits, self.trials = [0.0] * self.bins, [0.0] * self.bins  # by confidence bin
         self._seen: List[float] = []
+
+    def recall(self, draft) -> "Policy":
+        """Take up the back-off where the last generation with ``draft`` left it."""
+        self.wait, self.skip = _backoff.get(id(draft), (0, 0))
+        return self
+
+    def remember(self, draft) -> None:
+        """Keep this generation's back-off for the next one with ``draft``."""
+        if id(draft) not in _backoff:
+            weakref.finalize(draft, _backoff.pop, id(draft), None)
+        _backoff[id(draft)] = (self.wait, self.skip)
 
     def drafts(self, after: int = 0) -> bool:
         """Whether this round (or, with ``after`` plain steps taken first, a
@@ -164,6 +179,10 @@ class Policy:
             self.skip = self.wait
         else:
             self.wait = 0
+
+
+# id(draft) -> the back-off (wait, plain steps left) its last generation ended with.
+_backoff: Dict[int, tuple] = {}
 
 
 # ------------------------------------------------------------ calibration

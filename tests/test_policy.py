@@ -258,3 +258,21 @@ def test_pipelined_plain_steps_leave_the_caches_whole(loaded, draft_for):
         rest = [t for r in stream_generate(model, draft, tok, got[-1:], block_size=bs, max_tokens=24 - len(got),
                                            prompt_cache=cache, draft_cache=dcache, costs=COSTS) for t in r.tokens]
         assert got + rest == ref
+
+
+def test_backoff_carries_over_to_the_next_generation(loaded, draft_for):
+    """A draft found useless is not probed afresh at the start of every
+    generation: the second generation starts where the first one's back-off
+    left off (plain steps first), and stays exact."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    prompt = PROMPTS[0]
+    ref = mlx_tokens(model, tok, prompt, 40)
+    first = auto_run(model, draft, tok, prompt, max_tokens=40, costs=COSTS)
+    second = auto_run(model, draft, tok, prompt, max_tokens=40, costs=COSTS)
+    assert first[0] == second[0] == ref
+    probes = [sum(d for _, _, d in r[2]) for r in (first, second)]
+    assert first[2][0][2] and not second[2][0][2]  # the first round: a probe, then a plain step
+    assert probes[1] < probes[0], probes
+    fresh = auto_run(model, draft_for(folder), tok, prompt, max_tokens=40, costs=COSTS)
+    assert fresh[2][0][2]  # another draft object starts afresh

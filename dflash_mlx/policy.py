@@ -84,10 +84,12 @@ class Policy:
     maximises E(L) / (draft + verify(L)), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
     confidence were accepted in this stretch of drafting, starting from the
-    confidence itself. Each probe starts a fresh stretch. The back-off
-    carries over from one generation to the next with the same draft
-    (:meth:`recall`, :meth:`remember`): a draft found useless is not probed
-    afresh, at a draft pass each, at the start of every generation.
+    confidence itself. Each probe starts a fresh stretch and verifies at
+    most ``probe_limit`` tokens: a confident but wrong draft would make every
+    probe a long, wasted verify. What the policy learnt carries over from one
+    generation to the next with the same draft (:meth:`recall`,
+    :meth:`remember`): a draft found useless is not probed afresh, at a draft
+    pass each, at the start of every generation.
 
     Args:
         costs: The cost model.
@@ -97,6 +99,7 @@ class Policy:
             measure drafting's speed.
         prior: Pseudo-trials behind "acceptance = confidence".
         max_wait: The longest run of plain steps between probes.
+        probe_limit: The most tokens a probe verifies.
         bins: Confidence bins of the acceptance statistics.
     """
 
@@ -106,6 +109,7 @@ class Policy:
     recent: float = 0.7
     prior: float = 2.0
     max_wait: int = 128
+    probe_limit: int = 4
     bins: int = 10
     made: float = field(init=False, default=0.0)  # tokens of recent drafting rounds
     spent: float = field(init=False, default=0.0)  # and their cost, in plain steps
@@ -121,15 +125,16 @@ class Policy:
         self._seen: List[float] = []
 
     def recall(self, draft) -> "Policy":
-        """Take up the back-off where the last generation with ``draft`` left it."""
-        self.wait, self.skip = _backoff.get(id(draft), (0, 0))
+        """Go on from where the last generation with ``draft`` left off."""
+        for k, v in _learnt.get(id(draft), {}).items():
+            setattr(self, k, list(v) if isinstance(v, list) else v)
         return self
 
     def remember(self, draft) -> None:
-        """Keep this generation's back-off for the next one with ``draft``."""
-        if id(draft) not in _backoff:
-            weakref.finalize(draft, _backoff.pop, id(draft), None)
-        _backoff[id(draft)] = (self.wait, self.skip)
+        """Keep what this generation learnt for the next one with ``draft``."""
+        if id(draft) not in _learnt:
+            weakref.finalize(draft, _learnt.pop, id(draft), None)
+        _learnt[id(draft)] = {k: getattr(self, k) for k in ("wait", "skip", "probe", "made", "spent", "hits", "trials")}
 
     def drafts(self, after: int = 0) -> bool:
         """Whether this round (or, with ``after`` plain steps taken first, a
@@ -146,6 +151,7 @@ class Policy:
         probabilities at offsets 1..limit-1 are ``conf``."""
         if self.probe:
             self._reset()
+            limit = min(limit, self.probe_limit)
         draft, best, top, reach, expected = self.costs.draft, 1, -1.0, 1.0, 1.0
         for n in range(1, limit + 1):
             if n > 1:
@@ -181,8 +187,8 @@ class Policy:
             self.wait = 0
 
 
-# id(draft) -> the back-off (wait, plain steps left) its last generation ended with.
-_backoff: Dict[int, tuple] = {}
+# id(draft) -> what the policy of its last generation had learnt.
+_learnt: Dict[int, dict] = {}
 
 
 # ------------------------------------------------------------ calibration

@@ -81,8 +81,8 @@ def test_right_draft_takes_full_blocks(loaded, draft_for):
     draft = draft_for(folder, mask_token_id=ref[0], echo=True)
     out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=60, costs=COSTS)
     assert out == ref
-    # 1 token from the prefill, then full blocks up to the max_tokens cut.
-    assert rounds == [(16, 16, True)] * 3 + [(11, 11, True)]
+    # 1 token from the prefill, a short probe, then full blocks up to the max_tokens cut.
+    assert rounds == [(4, 4, True)] + [(16, 16, True)] * 3 + [(7, 7, True)]
 
 
 def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
@@ -99,7 +99,8 @@ def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
     assert out == ref
     first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)
     assert any(not d for _, _, d in rounds[:first])
-    assert rounds[first] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
+    assert rounds[first] == (4, 4, True)  # a probe verifies a few tokens, then full blocks
+    assert rounds[first + 1] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
 
 
 def test_expensive_verify_gives_short_rounds(loaded, draft_for):
@@ -182,11 +183,15 @@ def test_cli_parsers_accept_auto():
 
 def test_policy_rule():
     conf = [0.95] * 15
-    assert Policy(COSTS, 16).length(conf, 16) == 16
-    assert Policy(COSTS, 16).length(conf, 5) == 5
+    assert Policy(COSTS, 16).length(conf, 16) == 4  # a probe: at most probe_limit
+    sure = Policy(COSTS, 16)
+    sure.probe = False  # drafting has paid: the rule alone
+    assert sure.length(conf, 16) == 16 and sure.length(conf, 5) == 5
     steep = Costs(draft=0.5, verify={1: 1.0, 16: 16.0})
     assert steep.verify_at(4) == 4.0 and steep.verify_at(20) == 20.0
-    assert 1 < Policy(steep, 16).length(conf, 16) < 8
+    steady = Policy(steep, 16)
+    steady.probe = False
+    assert 1 < steady.length(conf, 16) < 8
     assert Policy(COSTS, 16).length([0.01] * 15, 16) <= 2
     p, waits = Policy(COSTS, 16), []
     for _ in range(36):  # a draft that is never right: back off 1, 2, 4, ...

@@ -619,8 +619,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-bits", type=_list(_bits), default=[None],
                    help="Quantize the DFlash draft's linear layers to this many bits (4 or 8) at load; "
                         "a list such as none,8,4 adds a column for each after the first.")
-    p.add_argument("--proposal", type=_list(_proposal), default=["argmax"],
-                   help="How the draft proposes when sampling: argmax (default) or sample (p/q rule); "
+    p.add_argument("--proposal", type=_list(_proposal), default=[None],
+                   help="How the draft proposes when sampling: sample (p/q rule, the default) or argmax; "
                         "a list adds a column for each after the first.")
     p.add_argument("--denoise-steps", type=_list(int), default=[1],
                    help="Draft passes per round (default 1); a list adds a column for each after the first.")
@@ -766,7 +766,7 @@ def make_columns(args, models: Models) -> List[Column]:
     label = [str(block)] + [f"bits={bits}"] * (bits is not None)
     if main["denoise_steps"] != 1:
         label.append(f"denoise={main['denoise_steps']}")
-    if main["proposal"] != "argmax":
+    if main["proposal"] is not None:
         label.append(f"proposal={main['proposal']}")
     cols = [Column("dflash", " ".join(label), block, models.draft, main)]
 

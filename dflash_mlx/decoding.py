@@ -175,8 +175,8 @@ def _check_variants(accept_threshold, denoise_steps, proposal, sampler):
         )
     if isinstance(denoise_steps, bool) or not isinstance(denoise_steps, int) or denoise_steps < 1:
         raise GenerationArgumentError(f"denoise_steps must be a positive integer, got {denoise_steps!r}.")
-    if proposal not in ("argmax", "sample"):
-        raise GenerationArgumentError(f"proposal must be 'argmax' or 'sample', got {proposal!r}.")
+    if proposal not in (None, "argmax", "sample"):
+        raise GenerationArgumentError(f"proposal must be 'argmax', 'sample' or None, got {proposal!r}.")
     if proposal == "sample" and sampler is not None:
         raise GenerationArgumentError(
             "proposal='sample' needs the target's probabilities: use temperature/top_p/top_k/min_p, "
@@ -205,7 +205,7 @@ def stream_generate(
     costs: Optional[Costs] = None,
     accept_threshold: Optional[float] = None,
     denoise_steps: int = 1,
-    proposal: str = "argmax",
+    proposal: Optional[str] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Generate with DFlash speculative decoding, one response per round.
 
@@ -253,7 +253,10 @@ def stream_generate(
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
             draft tokens drawn from the draft's distribution (same temperature
             and filters as the target) and verified with the p/q rule, still
-            exactly the target's law. Greedy decoding is unchanged.
+            exactly the target's law. ``None`` (default): ``"sample"`` when
+            sampling with temperature/filters (it accepted more in the
+            benchmark), ``"argmax"`` with a custom sampler. Greedy decoding
+            is the same either way.
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)
@@ -286,7 +289,7 @@ def stream_generate(
         threshold=accept_threshold,
         steps=denoise_steps,
         dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
-        sampled=proposal == "sample" and sampler is None and temperature > 0,
+        sampled=proposal in (None, "sample") and sampler is None and temperature > 0,
         seed=seed,
     )
     eos = set(tokenizer.eos_token_ids)

@@ -96,9 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0 < T <= 1; faster, but the output is no longer exactly the target's).")
     p.add_argument("--denoise-steps", type=int, default=1, metavar="K",
                    help="Draft passes per round: after each, keep its surest guesses and re-mask the rest.")
-    p.add_argument("--proposal", choices=("argmax", "sample"), default="argmax",
-                   help="Draft tokens: the draft's argmax, or sampled from it and verified with the "
-                        "p/q rule (temperature > 0).")
+    p.add_argument("--proposal", choices=("argmax", "sample"), default=None,
+                   help="Draft tokens when sampling: sampled from the draft and verified with the p/q "
+                        "rule (the default), or the draft's argmax.")
     p.add_argument("--pipeline", action="store_true",
                    help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
                         "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
@@ -193,7 +193,7 @@ def _variants(args) -> dict:
     from their defaults."""
     kw = {"accept_threshold": args.accept_threshold, "denoise_steps": args.denoise_steps,
           "proposal": args.proposal}
-    defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": "argmax"}
+    defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": None}
     return {k: v for k, v in kw.items() if v != defaults[k]}
 
 

@@ -150,16 +150,16 @@ def test_variant_columns(pair, tmp_path, capsys):
     agreement instead (and cannot fail the run)."""
     out = tmp_path / "r.json"
     code = bm.main(_args(pair, out, "--block-size", "8", "--draft-bits", "none,8", "--denoise-steps", "1,2",
-                         "--proposal", "argmax,sample", "--accept-threshold", "0.05", "--max-samples", "1",
+                         "--proposal", "sample,argmax", "--accept-threshold", "0.05", "--max-samples", "1",
                          "--profile", "off"))
     printed = capsys.readouterr().out
     assert code == 0
     res = json.loads(out.read_text())
-    labels = ["8", "bits=8", "denoise=2", "proposal=sample", "threshold=0.05"]
+    labels = ["8 proposal=sample", "bits=8", "denoise=2", "proposal=argmax", "threshold=0.05"]
     assert list(res["config"]["columns"].values()) == labels
     (r0,) = res["results"]
     cols = r0["prompts"][0]["columns"]
-    for k in ("dflash", "dflash@bits=8", "dflash@denoise=2", "dflash@proposal=sample"):
+    for k in ("dflash", "dflash@bits=8", "dflash@denoise=2", "dflash@proposal=argmax"):
         assert cols[k]["identical"] and "agreement" not in cols[k]
     relaxed = cols["dflash@threshold=0.05"]
     assert 0 <= relaxed["agreement"] <= 1 and relaxed["agreement"] == (

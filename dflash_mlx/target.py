@@ -163,14 +163,17 @@ class Target:
             return None
         if not self.pipeline:
             return mx.concatenate([taps[i].value for i in layer_ids], axis=-1)
-        from .distributed import group
+        from .distributed import group, lost
 
         shape = (*tokens.shape, self.hidden_size)
         dtype = next((t.value.dtype for t in taps.values()), mx.float32)
         parts = [taps[i].value if i in taps else mx.zeros(shape, dtype) for i in layer_ids]
         mine = mx.depends(mx.concatenate(parts, axis=-1), out)
-        total = mx.distributed.all_sum(mine, group=group())
-        mx.eval(total)
+        try:
+            total = mx.distributed.all_sum(mine, group=group())
+            mx.eval(total)
+        except RuntimeError as e:
+            raise lost(e) from None
         return total
 
     @contextmanager

@@ -8,6 +8,8 @@ environment; otherwise nothing here touches ``mx.distributed``.
 
 import os
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Optional
 
 import mlx.core as mx
@@ -16,6 +18,8 @@ from .errors import DFlashError
 
 _LAUNCH_VARS = ("MLX_RANK", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _group = None
+# Seconds a collective may wait for the other ranks before this rank gives up.
+TIMEOUT_VAR = "DFLASH_MLX_COLLECTIVE_TIMEOUT"
 
 
 class DistributedError(DFlashError, RuntimeError):
@@ -80,10 +84,39 @@ def agree_floats(values):
 def _collective(x: mx.array, g) -> mx.array:
     try:
         out = mx.distributed.all_sum(x, group=g)
-        mx.eval(out)
+        with watchdog("a round"):
+            mx.eval(out)
         return out
     except RuntimeError as e:
         raise lost(e) from None
+
+
+@contextmanager
+def watchdog(what: str):
+    """Exit this process (code 1, one clear line) if the block does not finish
+    within $DFLASH_MLX_COLLECTIVE_TIMEOUT seconds (default 600): a rank that
+    is alive but stuck, or ranks waiting in different collectives, would
+    otherwise hang every rank for ever, spinning."""
+    try:
+        seconds = float(os.environ.get(TIMEOUT_VAR, "600"))
+    except ValueError:
+        seconds = 600.0
+
+    def fire():
+        sys.stderr.write(
+            f"rank {rank()}: the other ranks did not answer for {seconds:g} s during {what}; "
+            f"one is stuck or gone. Exiting (set ${TIMEOUT_VAR} to wait longer).\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def lost(e: Exception) -> DistributedError:

@@ -163,7 +163,7 @@ class Target:
             return None
         if not self.pipeline:
             return mx.concatenate([taps[i].value for i in layer_ids], axis=-1)
-        from .distributed import group, lost
+        from .distributed import group, lost, watchdog
 
         shape = (*tokens.shape, self.hidden_size)
         dtype = next((t.value.dtype for t in taps.values()), mx.float32)
@@ -171,7 +171,8 @@ class Target:
         mine = mx.depends(mx.concatenate(parts, axis=-1), out)
         try:
             total = mx.distributed.all_sum(mine, group=group())
-            mx.eval(total)
+            with watchdog("a pipelined forward"):
+                mx.eval(total)
         except RuntimeError as e:
             raise lost(e) from None
         return total

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, time
     import mlx.core as mx
     import mlx_lm
     from dflash_mlx import load, load_draft, stream_generate
@@ -59,6 +59,8 @@ WORKER = textwrap.dedent(
         for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
             ids += r.tokens
             if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
+                if os.environ.get("HANG"):  # alive, but no longer taking part
+                    time.sleep(float(os.environ["HANG"]))
                 os._exit(0)
         return ids
 
@@ -185,6 +187,17 @@ def test_dead_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_fo
     assert r1 is None  # it left silently (exit code 0), mid-generation
     assert r0 is not None, p.stderr[-2000:]
     assert "DistributedError" in r0["error"] and "lost the connection" in r0["error"], r0
+
+
+def test_stuck_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):
+    """Rank 1 stops taking part but stays alive: rank 0's collective would wait
+    for ever; the watchdog ends it with one clear line and exit code 1."""
+    target = target_folder("qwen3", tied=True)
+    draft = str(make_draft(tmp_path / "right", target, echo=True))
+    env = {"DIE_AFTER": "5", "HANG": "12", "DFLASH_MLX_COLLECTIVE_TIMEOUT": "3"}
+    p, (r0, r1) = run_worker(worker, tmp_path, target, env=env, die=True, right=draft)
+    assert r0 is None and r1 is None  # neither finished
+    assert "the other ranks did not answer for 3 s" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
 
 
 def test_generate_cli_prints_on_rank_0_only(tmp_path, target_folder):

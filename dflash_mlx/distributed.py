@@ -6,6 +6,7 @@ A process counts as launched when ``mlx.launch`` (or MPI) set its rank in the
 environment; otherwise nothing here touches ``mx.distributed``.
 """
 
+import json
 import os
 import sys
 import threading
@@ -79,6 +80,23 @@ def agree_floats(values):
         return list(values)
     x = mx.array(values, mx.float32)
     return _collective(x * int(g.rank() == 0), g).tolist()
+
+
+def share(obj=None):
+    """Rank 0's JSON-able ``obj`` on every rank; the others pass nothing and
+    wait for it (as long as it takes: a serving follower waits for requests).
+    One process: ``obj``."""
+    g = group()
+    if g is None:
+        return obj
+    data = json.dumps(obj).encode() if g.rank() == 0 else b""
+    try:
+        n = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=g).item()
+        buf = mx.array(list(data.ljust(n, b"\0")) if data else [0] * n, mx.int32)
+        got = mx.distributed.all_sum(buf, group=g).tolist()
+    except RuntimeError as e:
+        raise lost(e) from None
+    return json.loads(bytes(got))
 
 
 def _collective(x: mx.array, g) -> mx.array:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
@@ -272,49 +272,83 @@ class Outcome:
     cached: int = 0
 
 
-def generate(served: Served, req: Request, out: Outcome):
+def generate(served: Served, req: Request, out: Outcome, lead: bool = True):
     """Yield the text of ``req`` piece by piece (stop strings applied) while
-    holding the model; ``out`` gets the finish reason and statistics."""
-    from .decoding import stream_generate
+    holding the model; ``out`` gets the finish reason and statistics.
+
+    On a target sharded over ranks (``mlx.launch``) rank 0 (``lead``) first
+    shares the request with the other ranks, which run it too, and every rank
+    runs each generation to the same end: a client that leaves only stops
+    being written to."""
+    from .distributed import group, share
 
     with served.lock:
-        # Seeded sampling draws per round, and a reused cache may change the
-        # draft's guesses by rounding: start fresh so a seed always repeats.
-        seeded = req.sampling["seed"] is not None and req.sampling["temperature"] > 0
-        entry, reused = (None, 0) if seeded else served.cache.take(req.ids)
-        out.cached = reused
-        if entry is None:
-            from mlx_lm.models.cache import make_prompt_cache
-
-            drafting = served.draft is not None and served.block_size != 1
-            entry = (make_prompt_cache(served.model), DraftCache(served.draft) if drafting else None)
-        tokens, consistent = list(req.ids), False
-        inner = stream_generate(
-            served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
-            max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
-        text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
+        if lead and group() is not None:
+            share(asdict(req))
+        pieces = _generate(served, req, out)
         try:
-            while (r := _next(inner)) is not None:
-                consistent, out.last = True, r
-                tokens += r.tokens
-                text += r.text
-                cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    out.finish = "stop"
-                    yield text[sent:cut]
-                    return
-                end = len(text) if r.finish_reason else max(sent, len(text) - hold)
-                piece, sent = text[sent:end], end
-                out.finish = r.finish_reason
-                if piece or r.finish_reason:
-                    yield piece
-                if r.finish_reason:
-                    return
-                consistent = False
+            for piece in pieces:
+                yield piece
         finally:
-            inner.close()
-            if consistent and out.last is not None:
-                _keep(served, entry, tokens, len(req.ids) + out.last.committed)
+            if group() is not None:
+                for _ in pieces:
+                    pass
+            pieces.close()
+
+
+def follow(served: Served) -> None:
+    """A follower rank of a sharded server: run every request rank 0 shares,
+    until it shares None (it is shutting down)."""
+    from .distributed import share
+
+    while (shared := share()) is not None:
+        try:
+            for _ in generate(served, Request(**shared), Outcome(), lead=False):
+                pass
+        except ApiError:
+            pass  # rank 0 answers it
+
+
+def _generate(served: Served, req: Request, out: Outcome):
+    from .decoding import stream_generate
+
+    # Seeded sampling draws per round, and a reused cache may change the
+    # draft's guesses by rounding: start fresh so a seed always repeats.
+    seeded = req.sampling["seed"] is not None and req.sampling["temperature"] > 0
+    entry, reused = (None, 0) if seeded else served.cache.take(req.ids)
+    out.cached = reused
+    if entry is None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        drafting = served.draft is not None and served.block_size != 1
+        entry = (make_prompt_cache(served.model), DraftCache(served.draft) if drafting else None)
+    tokens, consistent = list(req.ids), False
+    inner = stream_generate(
+        served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
+        max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
+    text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
+    try:
+        while (r := _next(inner)) is not None:
+            consistent, out.last = True, r
+            tokens += r.tokens
+            text += r.text
+            cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                out.finish = "stop"
+                yield text[sent:cut]
+                return
+            end = len(text) if r.finish_reason else max(sent, len(text) - hold)
+            piece, sent = text[sent:end], end
+            out.finish = r.finish_reason
+            if piece or r.finish_reason:
+                yield piece
+            if r.finish_reason:
+                return
+            consistent = False
+    finally:
+        inner.close()
+        if consistent and out.last is not None:
+            _keep(served, entry, tokens, len(req.ids) + out.last.committed)
 
 
 def _next(inner):
@@ -535,6 +569,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
+    from .distributed import group, rank, share
     from .generate import _resolve
     from .loading import load, load_draft
 
@@ -545,12 +580,18 @@ def _run(args) -> int:
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size)
+    if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
+        follow(served)
+        return 0
     server = make_server(served, args.host, args.port)
     log.info("Serving %s on http://%s:%d/v1", args.model, args.host, server.server_address[1])
     try:
         server.serve_forever()
     finally:
         server.server_close()
+        if group() is not None:
+            with served.lock:
+                share(None)  # the followers stop
     return 0
 
 

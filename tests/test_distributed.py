@@ -232,3 +232,50 @@ def test_dflash_on_a_pipeline_sharded_target(arch, tmp_path, target_folder, load
                     "--prompt", "hi", "--max-tokens", "12", "--block-size", "4", "--compare"])
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.count("Identical output: yes") == 1, p.stdout
+
+
+def test_server_on_two_ranks(tmp_path, target_folder):
+    """`mlx.launch ... -m dflash_mlx.server`: rank 0 listens, rank 1 runs every
+    request with it. A client leaving mid-stream does not put the ranks out of
+    step (rank 0 finishes that generation silently); greedy answers repeat,
+    streamed or not, cached or not; SIGINT shuts both ranks down."""
+    import socket
+    import time
+
+    import openai
+
+    target = target_folder("qwen3", tied=True)
+    draft = make_draft(tmp_path / "draft", target, echo=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", "-m", "dflash_mlx.server",
+           "--model", str(target), "--draft", str(draft), "--port", str(port), "--block-size", "4"]
+    env = dict(os.environ, LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+        for _ in range(600):
+            try:
+                c.models.list()
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.1)
+        kw = dict(model="default", prompt="def f(x):", max_tokens=16, temperature=0)
+        a = c.completions.create(**kw)
+        s = c.completions.create(**dict(kw, max_tokens=64, prompt="class A:\n"), stream=True)
+        next(iter(s))
+        s.close()  # leaves after the first chunk
+        b = c.completions.create(**kw)
+        streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, stream=True) if ch.choices)
+        assert a.choices[0].text == b.choices[0].text == streamed and a.usage.completion_tokens == 16
+        assert b.usage.prompt_tokens_details.cached_tokens > 0
+    finally:
+        os.killpg(p.pid, signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise AssertionError(f"the ranks did not stop on SIGINT: {err[-2000:]}")

@@ -1,5 +1,6 @@
 """DFlash speculative generation: the decoding loop and its responses."""
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Generator, List, Optional, Union
@@ -277,6 +278,11 @@ def stream_generate(
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
         )
+    sampled = proposal in (None, "sample") and sampler is None and temperature > 0
+    keys_seed = seed
+    if sampled and seed is None and group() is not None:
+        # Every rank must draw the same drafts: rank 0's fresh seed for the draft's stream.
+        keys_seed = agree(mx.array([random.getrandbits(30)])).item()
     dec = _Decoder(
         target,
         draft if top > 1 else None,
@@ -289,8 +295,8 @@ def stream_generate(
         threshold=accept_threshold,
         steps=denoise_steps,
         dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
-        sampled=proposal in (None, "sample") and sampler is None and temperature > 0,
-        seed=seed,
+        sampled=sampled,
+        seed=keys_seed,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer

@@ -167,7 +167,7 @@ def test_sharded_dflash_matches_plain_on_both_ranks(arch, worker, tmp_path, targ
     target = target_folder(arch, tied=True)
     p, (r0, r1) = run_worker(worker, tmp_path, target, right=right_draft(arch, loaded, tmp_path))
     assert r0 and r1, p.stderr[-2000:]
-    assert "error" not in r0 and "error" not in r1, (r0, r1)
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert (r0["size"], r1["size"]) == (2, 2)
     for key in ("dflash", "plain", "right", "right_plain", "auto", "seeded", "unseeded"):
         assert r0[key] == r1[key], key

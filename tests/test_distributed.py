@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiny import make_draft
-from util import mlx_tokens
+from util import free_port, mlx_tokens, openai_client
 
 PYTHON = sys.executable
 LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
@@ -239,29 +239,16 @@ def test_server_on_two_ranks(tmp_path, target_folder):
     request with it. A client leaving mid-stream does not put the ranks out of
     step (rank 0 finishes that generation silently); greedy answers repeat,
     streamed or not, cached or not; SIGINT shuts both ranks down."""
-    import socket
-    import time
-
-    import openai
-
     target = target_folder("qwen3", tied=True)
     draft = make_draft(tmp_path / "draft", target, echo=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", "-m", "dflash_mlx.server",
            "--model", str(target), "--draft", str(draft), "--port", str(port), "--block-size", "4"]
     env = dict(os.environ, LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        for _ in range(600):
-            try:
-                c.models.list()
-                break
-            except openai.APIConnectionError:
-                time.sleep(0.1)
+        c = openai_client(port)
         kw = dict(model="default", prompt="def f(x):", max_tokens=16, temperature=0)
         a = c.completions.create(**kw)
         s = c.completions.create(**dict(kw, max_tokens=64, prompt="class A:\n"), stream=True)

@@ -15,7 +15,7 @@ import pytest
 from dflash_mlx import load_draft, stream_generate
 from dflash_mlx.server import Served, make_server
 from tiny import make_draft
-from util import mlx_run
+from util import free_port, mlx_run, openai_client
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 4
@@ -223,21 +223,13 @@ def test_short_load_loses_nothing(server, pair, client):
 
 def test_server_command_line(pair, tmp_path):
     _, _, tok, folder, draft_dir = pair
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT)
     p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--model", str(folder), "--draft",
                           str(draft_dir), "--port", str(port), "--block-size", "4", "--log-level", "WARNING"],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
-        for _ in range(300):
-            try:
-                c.models.list()
-                break
-            except openai.APIConnectionError:
-                time.sleep(0.1)
+        c = openai_client(port, wait=30)
         r = c.completions.create(model=str(folder), prompt="def main(", max_tokens=20)
         assert r.choices[0].text == fresh(pair, "def main(", 20)
     finally:

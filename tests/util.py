@@ -35,3 +35,29 @@ def runs(tokens: List[int], length: int = 3) -> List[int]:
         if n == length and t not in found:
             found.append(t)
     return found
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def openai_client(port: int, wait: float = 60.0):
+    """An openai client of the server on ``port``, once it answers (or after ``wait`` seconds)."""
+    import time
+
+    import openai
+
+    c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60)
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            c.models.list()
+            break
+        except openai.APIConnectionError:
+            time.sleep(0.1)
+    return c

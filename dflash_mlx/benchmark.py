@@ -597,6 +597,8 @@ def write_chart(result: dict, path: Path) -> Optional[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .generate import add_pipeline_arg
+
     p = argparse.ArgumentParser(
         prog="python -m dflash_mlx.benchmark",
         description="Benchmark DFlash speculative decoding against plain mlx-lm decoding.",
@@ -627,9 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-threshold", type=_list(float), default=[],
                    help="A relaxed (not exact) DFlash column for each value T in (0, 1]; its agreement "
                         "with the target's output is reported instead of the identity check.")
-    p.add_argument("--pipeline", action="store_true",
-                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
-                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
+    add_pipeline_arg(p)
     p.add_argument("--out", default="bench_out/results.json", help="JSON results path.")
     p.add_argument("--chart", default=None, help="PNG chart path (default: --out with .png).")
     p.add_argument("--baseline-draft-model", default=None,

@@ -63,7 +63,7 @@ def agree(values: mx.array, same: Optional[mx.array] = None) -> mx.array:
     # target's own collectives, or ranks would pair up different all_sums.
     mine = values * int(g.rank() == 0)
     same = mx.zeros((0,), mx.int32) if same is None else same.reshape(-1).astype(mx.int32)
-    total = _collective(mx.concatenate([mine, same]), g)
+    total = sum_ranks(mx.concatenate([mine, same]))
     n = values.shape[0]
     if same.size and not mx.array_equal(total[n:], same * g.size()).item():
         raise DistributedError(
@@ -79,7 +79,7 @@ def agree_floats(values):
     if g is None:
         return list(values)
     x = mx.array(values, mx.float32)
-    return _collective(x * int(g.rank() == 0), g).tolist()
+    return sum_ranks(x * int(g.rank() == 0)).tolist()
 
 
 def share(obj=None):
@@ -90,23 +90,25 @@ def share(obj=None):
     if g is None:
         return obj
     data = json.dumps(obj).encode() if g.rank() == 0 else b""
-    try:
-        n = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=g).item()
-        buf = mx.array(list(data.ljust(n, b"\0")) if data else [0] * n, mx.int32)
-        got = mx.distributed.all_sum(buf, group=g).tolist()
-    except RuntimeError as e:
-        raise lost(e) from None
-    return json.loads(bytes(got))
+    n = sum_ranks(mx.array([len(data)], mx.int32), None).item()
+    got = sum_ranks(mx.array(list(data.ljust(n, b"\0")) if data else [0] * n, mx.int32), None)
+    return json.loads(bytes(got.tolist()))
 
 
-def _collective(x: mx.array, g) -> mx.array:
+def sum_ranks(x: mx.array, during: Optional[str] = "a round") -> mx.array:
+    """The sum of ``x`` over all ranks, evaluated now; a lost peer raises
+    DistributedError, and waiting longer than the watchdog allows ends the
+    process (``during`` names the wait; None: no limit, e.g. an idle follower)."""
     try:
-        out = mx.distributed.all_sum(x, group=g)
-        with watchdog("a round"):
+        out = mx.distributed.all_sum(x, group=group())
+        if during is None:
             mx.eval(out)
-        return out
+        else:
+            with watchdog(during):
+                mx.eval(out)
     except RuntimeError as e:
         raise lost(e) from None
+    return out
 
 
 @contextmanager

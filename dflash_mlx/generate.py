@@ -67,6 +67,13 @@ def block_size_arg(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
+def add_pipeline_arg(p: argparse.ArgumentParser) -> None:
+    """``--pipeline``, shared by the command-line tools."""
+    p.add_argument("--pipeline", action="store_true",
+                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
+                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m dflash_mlx.generate",
@@ -99,9 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proposal", choices=("argmax", "sample"), default=None,
                    help="Draft tokens when sampling: sampled from the draft and verified with the p/q "
                         "rule (the default), or the draft's argmax.")
-    p.add_argument("--pipeline", action="store_true",
-                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
-                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
+    add_pipeline_arg(p)
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
         "--compare",

@@ -536,7 +536,7 @@ def make_server(served: Served, host: str = "127.0.0.1", port: int = 8080) -> Th
 # ---------------------------------------------------------------- command line
 
 def build_parser() -> argparse.ArgumentParser:
-    from .generate import DEFAULT_MODEL, block_size_arg
+    from .generate import DEFAULT_MODEL, add_pipeline_arg, block_size_arg
 
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.server",
                                 description="OpenAI-compatible HTTP server with DFlash speculative decoding.")
@@ -552,9 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=block_size_arg, default="auto")
     p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
                    help="Quantize the draft's linear layers to this many bits at load.")
-    p.add_argument("--pipeline", action="store_true",
-                   help="Under mlx.launch: shard the target as a pipeline (each rank runs a slice of its layers) "
-                        "instead of tensor parallel (for models mlx-lm can only pipeline, e.g. Qwen3-Next).")
+    add_pipeline_arg(p)
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
     p.add_argument("--prompt-cache-size", type=int, default=4, help="Conversations whose cache is kept.")

@@ -163,19 +163,12 @@ class Target:
             return None
         if not self.pipeline:
             return mx.concatenate([taps[i].value for i in layer_ids], axis=-1)
-        from .distributed import group, lost, watchdog
+        from .distributed import sum_ranks
 
         shape = (*tokens.shape, self.hidden_size)
         dtype = next((t.value.dtype for t in taps.values()), mx.float32)
         parts = [taps[i].value if i in taps else mx.zeros(shape, dtype) for i in layer_ids]
-        mine = mx.depends(mx.concatenate(parts, axis=-1), out)
-        try:
-            total = mx.distributed.all_sum(mine, group=group())
-            with watchdog("a pipelined forward"):
-                mx.eval(total)
-        except RuntimeError as e:
-            raise lost(e) from None
-        return total
+        return sum_ranks(mx.depends(mx.concatenate(parts, axis=-1), out), "a pipelined forward")
 
     @contextmanager
     def _taps(self, layer_ids, cache):

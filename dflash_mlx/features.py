@@ -3,7 +3,8 @@
 The target is frozen, so its hidden states at the draft's layers never change
 during training: one forward pass per sequence serves every epoch and every
 later stage (--resume, --init). They are stored as float16 in a memory-mapped
-file next to the draft, keyed by the sequences, layers and target.
+file next to the draft, keyed by the sequences, layers and target. More data
+(the same sequences first, new ones after) computes only the new rows.
 """
 
 import hashlib
@@ -33,7 +34,8 @@ class FeatureStore:
                  pad: int, batch: int = 4, progress=None):
         self.seq_len = seq_len
         dim = target.hidden_size * len(layer_ids)
-        key = fingerprint(seqs, layer_ids, seq_len, _describe(target, layer_ids))
+        desc = _describe(target, layer_ids)
+        key = fingerprint(seqs, layer_ids, seq_len, desc)
         data, meta = folder / f"{FILE}.f16", folder / f"{FILE}.json"
         shape = (len(seqs), seq_len, dim)
         old = _read(meta)
@@ -41,10 +43,24 @@ class FeatureStore:
             self.array = np.memmap(data, np.float16, "r", shape=shape)
             return
         folder.mkdir(parents=True, exist_ok=True)
+        # Rows of an earlier build whose sequences are a prefix of these are kept.
+        keep = 0
+        if old is not None and old.get("done") and data.exists():
+            n = old["shape"][0]
+            if n < len(seqs) and tuple(old["shape"][1:]) == shape[1:] \
+                    and fingerprint(seqs[:n], layer_ids, seq_len, desc) == old["key"]:
+                keep = n
         meta.unlink(missing_ok=True)
-        out = np.memmap(data, np.float16, "w+", shape=shape)
+        tmp = folder / f"{FILE}.f16.part"
+        out = np.memmap(tmp, np.float16, "w+", shape=shape)
+        if keep:
+            prev = np.memmap(data, np.float16, "r", shape=(keep, *shape[1:]))
+            for n in range(0, keep, 64):
+                m = min(n + 64, keep)
+                out[n:m] = prev[n:m]
+            del prev
         # Sequences of similar length share a batch, so little padding is computed.
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].tokens))
+        order = sorted(range(keep, len(seqs)), key=lambda i: len(seqs[i].tokens))
         for n in range(0, len(order), batch):
             rows = order[n : n + batch]
             S = min(seq_len, max(len(seqs[i].tokens) for i in rows))
@@ -55,8 +71,10 @@ class FeatureStore:
             f = target.features(mx.array(toks), layer_ids)
             out[rows, :S] = np.array(f.astype(mx.float16))
             if progress is not None:
-                progress(n + len(rows), toks.size)
+                progress(keep + n + len(rows), toks.size)
         out.flush()
+        del out
+        tmp.replace(data)
         meta.write_text(json.dumps({"key": key, "shape": shape, "done": True}) + "\n")
         self.array = np.memmap(data, np.float16, "r", shape=shape)
 

@@ -157,6 +157,29 @@ def test_feature_store_matches_target_and_is_reused(loaded, tmp_path):
     check(store, other, [0, 2, 5], t2)
 
 
+def test_feature_store_extended_computes_only_new_rows(loaded, tmp_path):
+    model, _, _ = loaded("qwen3")
+    t, S, layers = Target(model), 16, [1, 3]
+    seqs = _seqs([5, 20, 9, 16, 12, 7])
+    FeatureStore(tmp_path, seqs[:4], t, layers, S, pad=0, batch=2)
+    # Mark a kept row: an extension must carry it over, not recompute it.
+    dim = t.hidden_size * len(layers)
+    old = np.memmap(tmp_path / "train_features.f16", np.float16, "r+", shape=(4, S, dim))
+    old[1] = 7.0
+    old.flush()
+    del old
+    store = FeatureStore(tmp_path, seqs, t, layers, S, pad=0, batch=2)
+    got = np.array(store.batch(list(range(6)), S))
+    assert (got[1] == 7.0).all()
+    for i in (0, 4, 5):
+        toks = seqs[i].tokens[:S]
+        want = np.array(t.hidden(mx.array([toks]), layers)[1][0])
+        np.testing.assert_allclose(got[i, : len(toks)], want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    # Other leading sequences: nothing is kept.
+    store = FeatureStore(tmp_path, seqs[1:] + seqs[:1], t, layers, S, pad=0, batch=2)
+    assert not (np.array(store.batch([0], S)) == 7.0).all()
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_features_equal_hidden(loaded, arch):
     model, _, _ = loaded(arch)

@@ -420,52 +420,68 @@ class _Decoder:
         goes on after this round unless it ends with an EOS."""
         clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
-        policy, proposal, q = self.policy, None, None
-        drafted = self.draft is not None and length > 1 and (policy is None or policy.drafts())
+        drafted = self.drafts(length)
         if not drafted and self.pipelined:
             return self._plain(anchor, more)
+        proposal, q = self.propose(anchor, length) if drafted else (None, None)
         if drafted:
-            t = self.target
-            # The draft always fills the block it was trained on: a shorter
-            # block (the last rounds, or a smaller block_size) attends to fewer
-            # mask positions and guesses worse; only length - 1 drafts are verified.
-            kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
-            logits = self.draft.propose(
-                anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
-            )
-            self.dstate.pending = None  # now in the draft's cache
-            if self.keys is not None:
-                q = self.dist(process(logits[: length - 1], None, None, None))
-                proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
-            else:
-                proposal = mx.argmax(logits[: length - 1], axis=-1)
-            if policy is not None:
-                conf = confidence(logits[: length - 1])
-                mx.eval(proposal, conf)
-                length = policy.length(conf.tolist(), length)
-                proposal = proposal[: length - 1] if length > 1 else None
-            if proposal is not None:
-                if self.keys is not None:
-                    q = self._full(q[: length - 1])
-                if self.vocab is not None:
-                    proposal = self.vocab[proposal]
-                proposal = proposal.astype(anchor.dtype)
-            clock.lap("draft", logits if proposal is None else proposal)
+            clock.lap("draft", anchor if proposal is None else proposal)
         block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
         out, a = self._choose(logits, history, block, proposal, q=q)
         rollback(self.cache, tape, a + 1, block.shape[0])
+        out = self.commit(out, a, f, block.shape[0], drafted)
+        clock.lap("accept", [c.state for c in self.cache])
+        self.timing = clock.laps if self.profile else None
+        return out
+
+    def drafts(self, length: int) -> bool:
+        """Whether a round of ``length`` runs the draft (else a plain step)."""
+        return self.draft is not None and length > 1 and (self.policy is None or self.policy.drafts())
+
+    def propose(self, anchor: mx.array, length: int):
+        """The draft tokens after ``anchor`` [1] (up to ``length - 1``; a
+        policy may cut them, to none) and, for sampled proposals, the
+        distributions they were drawn from: (proposal or None, q or None)."""
+        t, policy, q = self.target, self.policy, None
+        # The draft always fills the block it was trained on: a shorter
+        # block (the last rounds, or a smaller block_size) attends to fewer
+        # mask positions and guesses worse; only length - 1 drafts are verified.
+        kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
+        logits = self.draft.propose(
+            anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
+        )
+        self.dstate.pending = None  # now in the draft's cache
+        if self.keys is not None:
+            q = self.dist(process(logits[: length - 1], None, None, None))
+            proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
+        else:
+            proposal = mx.argmax(logits[: length - 1], axis=-1)
+        if policy is not None:
+            conf = confidence(logits[: length - 1])
+            mx.eval(proposal, conf)
+            length = policy.length(conf.tolist(), length)
+            if length == 1:
+                return None, None
+            proposal = proposal[: length - 1]
+        if self.keys is not None:
+            q = self._full(q[: length - 1])
+        if self.vocab is not None:
+            proposal = self.vocab[proposal]
+        return proposal.astype(anchor.dtype), q
+
+    def commit(self, out: List[int], a: int, f, verified: int, drafted: bool) -> List[int]:
+        """Book a verified round whose caches are rolled back: queue the kept
+        features for the draft, teach the policy, count; the committed tokens."""
         if f is not None:
             self.dstate.extend(f[:, : a + 1])
-        clock.lap("accept", [c.state for c in self.cache])
-        if policy is not None:
-            policy.update(block.shape[0], a, drafted)
-        self.timing = clock.laps if self.profile else None
+        if self.policy is not None:
+            self.policy.update(verified, a, drafted)
         self.rounds += 1
         self.committed += a + 1
-        self.verified = block.shape[0]
+        self.verified = verified
         return out[: a + 1]
 
     def _plain(self, anchor: mx.array, more: bool) -> List[int]:

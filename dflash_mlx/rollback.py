@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, dynamic_roll
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
 from .errors import UnsupportedModelError
@@ -119,3 +119,28 @@ def _gates(gdn, x):
     raise UnsupportedModelError(
         f"Unknown gated-DeltaNet layout in {type(gdn).__module__}; cannot roll back."
     )
+
+
+def rollback_rows(cache: list, drop: List[int]) -> None:
+    """Drop the last ``drop[i]`` tokens of row i of batched attention caches
+    (mlx-lm ``BatchKVCache``). What all rows drop is trimmed; the rest of each
+    row's dropped tokens is rolled to the front of the row, where its left
+    padding (masked out) grows over it. Leading padding every row has is cut."""
+    low = min(drop)
+    rest = [d - low for d in drop]
+    for c in cache:
+        c.trim(low)
+        if not any(rest) or c.keys is None:
+            continue
+        n, shift = c._idx, mx.array(rest)[:, None]
+        c.keys = dynamic_roll(c.keys[..., :n, :], shift, axis=2)
+        c.values = dynamic_roll(c.values[..., :n, :], shift, axis=2)
+        c.left_padding = c.left_padding + mx.array(rest)
+        c.offset = c.offset - mx.array(rest)
+    if any(rest):
+        pad = min(cache[0].left_padding.tolist())
+        for c in cache:
+            if pad and c.keys is not None:
+                c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
+                c._idx -= pad
+                c.left_padding = c.left_padding - pad

@@ -128,15 +128,18 @@ class Target:
     ) -> Tuple[mx.array, mx.array, Optional[List]]:
         """Run the target on ``tokens`` [L] and return its logits [L, V], the
         concatenated outputs of ``layer_ids`` [1, L, n*H], and with ``record``
-        what :mod:`rollback` needs to replay the recurrent layers."""
+        what :mod:`rollback` needs to replay the recurrent layers. A batch
+        ``tokens`` [B, L] (batched caches) gives logits [B, L, V] and features
+        [B, L, n*H]."""
+        batch = tokens if tokens.ndim == 2 else tokens[None]
         with self.lock, self._taps(layer_ids, cache if record else None) as (
             taps,
             tape,
             run_cache,
         ):
-            logits = self.model(tokens[None], cache=run_cache or cache)
-            features = self._collect(taps, layer_ids, tokens[None], logits)
-        return logits[0], features, (tape if record else None)
+            logits = self.model(batch, cache=run_cache or cache)
+            features = self._collect(taps, layer_ids, batch, logits)
+        return (logits if tokens.ndim == 2 else logits[0]), features, (tape if record else None)
 
     def hidden(self, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
         """Run the target without a cache on a batch ``tokens`` [B, S] and return

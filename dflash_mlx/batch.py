@@ -1,0 +1,224 @@
+"""Batched DFlash: several generations share every target forward.
+
+Each row keeps what a single generation has (its draft cache and draft pass,
+its policy, sampler and acceptance: the code of :mod:`.decoding`); only the
+target runs batched, over one block per row padded to the longest, on mlx-lm
+``BatchKVCache`` caches where each row is rolled back by its own amount
+(:func:`.rollback.rollback_rows`). Rows join and leave between rounds. Every
+row's output is the one it would get alone. Targets whose caches all trim
+exactly (plain attention: Llama, Qwen3, ...) only, in one process.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .decoding import DraftCache, GenerationResponse, _check_args, _Decoder, _prompt_ids
+from .distributed import group
+from .draft import DFlashDraft
+from .errors import GenerationArgumentError, UnsupportedModelError
+from .loading import check_compatible
+from .policy import Costs, Policy, cached_costs
+from .rollback import rollback_rows, trims_exactly
+from .sampling import make_distribution, make_sampler
+from .target import Target
+
+
+@dataclass
+class _Row:
+    dec: _Decoder
+    ids: List[int]  # the prompt (this request's tokens)
+    history: List[int]
+    max_tokens: int
+    out: List[int]  # the first token(s), not reported yet
+    detok: object
+    prompt_tps: float
+    cache: Optional[list]  # the caller's prompt cache, refilled when the row leaves
+    n: int = 0
+    tic: float = field(default_factory=time.perf_counter)
+
+
+class Batch:
+    """Generations decoded together.
+
+    Args:
+        model: The target (an mlx-lm model whose caches trim exactly).
+        draft: Its DFlash draft, or None (batched plain decoding).
+        tokenizer: The target's tokenizer.
+        block_size: As for :func:`.stream_generate` (``"auto"``: each row's
+            policy picks its drafts; the round verifies the longest).
+        costs: The cost model for ``"auto"`` (default: measured and cached).
+    """
+
+    def __init__(self, model: nn.Module, draft: Optional[DFlashDraft], tokenizer,
+                 block_size: Union[int, str, None] = None, costs: Optional[Costs] = None):
+        if group() is not None:
+            raise GenerationArgumentError("Batched generation runs in one process, not under mlx.launch.")
+        self.bs = _check_args(draft, block_size, 1, 0.0, 0.0, 0, 0.0, None)
+        if draft is not None:
+            check_compatible(draft, model)
+        self.target = Target(model)
+        if not all(trims_exactly(c) for c in self.target.make_cache()):
+            raise UnsupportedModelError(
+                f"{type(model).__module__}: batched generation needs plain attention caches; "
+                "generate these requests one at a time."
+            )
+        self.top = draft.block_size if self.bs == "auto" else self.bs
+        self.draft = draft if self.top > 1 else None
+        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+        self.costs = costs
+        self.rows: Dict[int, _Row] = {}
+        self.cache: Optional[List[BatchKVCache]] = None  # row order = self.rows' order
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, prompt, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 0.0,
+            top_k: int = 0, min_p: float = 0.0, seed: Optional[int] = None,
+            prompt_cache: Optional[list] = None, draft_cache: Optional[DraftCache] = None,
+            prefill_step_size: int = 2048) -> int:
+        """Prefill a new row and return its key. ``prompt_cache`` /
+        ``draft_cache`` continue earlier turns as in :func:`.stream_generate`;
+        the prompt cache is refilled when the row leaves the batch."""
+        _check_args(self.draft, self.bs, max_tokens, temperature, top_p, top_k, min_p, seed)
+        ids = _prompt_ids(self.tokenizer, prompt)
+        if min(ids) < 0 or max(ids) >= self.target.vocab_rows:
+            raise GenerationArgumentError(
+                f"The prompt holds token ids outside the model's vocabulary (0..{self.target.vocab_rows - 1})."
+            )
+        cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
+        if not all(trims_exactly(c) for c in cache):
+            raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
+        sampled = self.draft is not None and temperature > 0
+        dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k, seed), None,
+                       list(cache), False, draft_cache, greedy=temperature == 0,
+                       dist=make_distribution(temperature, top_p, min_p, top_k), sampled=sampled, seed=seed)
+        dec.pipelined = False
+        if self.bs == "auto":
+            dec.policy = Policy(self.costs or cached_costs(self.target, self.draft), self.top)
+            if seed is None:
+                dec.policy.recall(self.draft)
+        tic = time.perf_counter()
+        first = dec.prefill(ids, prefill_step_size)
+        mx.eval([c.state for c in dec.cache])
+        row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
+                   len(ids) / (time.perf_counter() - tic), prompt_cache)
+        row.detok.reset()
+        one = [BatchKVCache.merge([c]) for c in dec.cache]
+        if self.cache is None:
+            self.cache = one
+        else:
+            for c, o in zip(self.cache, one):
+                c.extend(o)
+        key, self._next = self._next, self._next + 1
+        self.rows[key] = row
+        return key
+
+    def remove(self, key: int) -> None:
+        """Take row ``key`` out (finished or abandoned); its prompt cache, if
+        the caller gave one, then holds the row's tokens but the last."""
+        keys = list(self.rows)
+        i = keys.index(key)
+        row = self.rows.pop(key)
+        if row.cache is not None:
+            for j, c in enumerate(self.cache):
+                row.cache[j] = c.extract(i)
+            mx.eval([c.state for c in row.cache])
+        if row.dec.policy is not None:
+            row.dec.policy.remember(self.draft)
+        if self.rows:
+            for c in self.cache:
+                c.filter([k for k in range(len(keys)) if k != i])
+        else:
+            self.cache = None
+
+    def step(self) -> List[Tuple[int, GenerationResponse]]:
+        """One round for every row: (key, response) pairs of the new tokens (a
+        row added since the last step reports its first token too). A
+        finished row (``finish_reason`` set) has left the batch."""
+        out = []
+        for key in [k for k, r in self.rows.items() if r.out]:
+            out.append((key, self._report(key)))
+        if self.rows:
+            self._round()
+            out += [(key, self._report(key)) for key in list(self.rows)]
+        return out
+
+    def _round(self) -> None:
+        rows = list(self.rows.values())
+        blocks, drafted, props = [], [], []
+        for row in rows:
+            anchor = mx.array(row.history[-1:])
+            length = min(self.top, row.max_tokens - row.n)
+            d = row.dec.drafts(length)
+            p, q = row.dec.propose(anchor, length) if d else (None, None)
+            blocks.append(anchor if p is None else mx.concatenate([anchor, p]))
+            drafted.append(d)
+            props.append((p, q))
+        L = max(b.shape[0] for b in blocks)
+        # Shorter rows are padded with their anchor; rolled back with the rejected drafts.
+        tokens = mx.stack([mx.concatenate([b, mx.repeat(b[:1], L - b.shape[0])]) for b in blocks])
+        logits, f, _ = self.target.forward(tokens, self.cache, self.target_layers)
+        kept = []
+        for i, row in enumerate(rows):
+            p, q = props[i]
+            n = blocks[i].shape[0]
+            kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
+        rollback_rows(self.cache, [L - a - 1 for _, a in kept])
+        for i, row in enumerate(rows):
+            choice, a = kept[i]
+            feats = f[i : i + 1] if f is not None else None
+            row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0], drafted[i])
+
+    @property
+    def target_layers(self) -> List[int]:
+        return self.draft.config.target_layer_ids if self.draft is not None else []
+
+    def _report(self, key: int) -> GenerationResponse:
+        """Book row ``key``'s new tokens; it leaves the batch if they finish it."""
+        row = self.rows[key]
+        tokens, new, finish = row.out, [], None
+        eos = set(self.tokenizer.eos_token_ids)
+        for t in tokens:
+            new.append(t)
+            row.n += 1
+            if t in eos:
+                finish = "stop"
+                break
+            row.detok.add_token(t)
+            if row.n == row.max_tokens:
+                finish = "length"
+                break
+        if finish:
+            row.detok.finalize()
+            self.remove(key)
+        row.history.extend(new)
+        row.out = []
+        d = row.dec
+        return GenerationResponse(
+            text=row.detok.last_segment, token=new[-1], tokens=new, accepted=len(tokens),
+            prompt_tokens=len(row.ids), prompt_tps=row.prompt_tps, generation_tokens=row.n,
+            generation_tps=row.n / max(time.perf_counter() - row.tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, rounds=d.rounds,
+            committed=d.committed, verified=d.verified, from_draft=len(tokens) > 1,
+        )
+
+
+def batch_generate(model: nn.Module, draft: Optional[DFlashDraft], tokenizer, prompts: List,
+                   max_tokens: int = 256, block_size: Union[int, str, None] = None,
+                   **sampling) -> List[List[int]]:
+    """Generate for several prompts at once; the token ids of each (a final
+    EOS included), each exactly what :func:`.stream_generate` gives alone."""
+    batch = Batch(model, draft, tokenizer, block_size)
+    keys = [batch.add(p, max_tokens, **sampling) for p in prompts]
+    outs: Dict[int, List[int]] = {k: [] for k in keys}
+    while len(batch):
+        for key, r in batch.step():
+            outs[key] += r.tokens
+    return [outs[k] for k in keys]

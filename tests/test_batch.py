@@ -1,0 +1,101 @@
+"""Batched DFlash: every row's output is what it gets alone."""
+
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash_mlx.batch import Batch, batch_generate
+from dflash_mlx.decoding import DraftCache
+from dflash_mlx.errors import UnsupportedModelError
+from util import dflash_tokens, mlx_tokens, runs
+
+PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n    def __init__(self):\n        self"]
+
+
+def run(batch: Batch, keys):
+    """Step ``batch`` to the end: each key's tokens and responses."""
+    toks = {k: [] for k in keys}
+    resp = {k: [] for k in keys}
+    while len(batch):
+        for k, r in batch.step():
+            toks[k] += r.tokens
+            resp[k].append(r)
+    return toks, resp
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_batch_is_lossless_greedy(arch, loaded, draft_for):
+    """Rows of different prompt lengths and max_tokens, with an echo draft
+    accepted along runs of its token: rows accept different counts in one
+    round and are rolled back by different amounts."""
+    model, tok, folder = loaded(arch, tied=True)
+    lengths = [60, 25, 47]
+    refs = [mlx_tokens(model, tok, p, n) for p, n in zip(PROMPTS, lengths)]
+    draft = draft_for(folder, mask_token_id=runs(refs[0])[0], echo=True)
+    for bs in (1, 4, 16, "auto"):
+        batch = Batch(model, draft, tok, bs)
+        keys = [batch.add(p, n) for p, n in zip(PROMPTS, lengths)]
+        toks, resp = run(batch, keys)
+        assert [toks[k] for k in keys] == refs, bs
+        assert all(resp[k][-1].finish_reason for k in keys)
+        if bs != 1:
+            acc = [r.accepted for k in keys for r in resp[k][1:]]
+            assert max(acc) > 1 and 1 in acc, bs
+
+
+def test_rows_join_and_leave(loaded, draft_for):
+    model, tok, folder = loaded("qwen3", tied=True)
+    refs = [mlx_tokens(model, tok, p, 40) for p in PROMPTS]
+    draft = draft_for(folder, mask_token_id=runs(refs[0])[0], echo=True)
+    batch = Batch(model, draft, tok, 8)
+    a, b = batch.add(PROMPTS[0], 40), batch.add(PROMPTS[1], 40)
+    got = {a: [], b: []}
+    for _ in range(3):
+        for k, r in batch.step():
+            got[k] += r.tokens
+    c = batch.add(PROMPTS[2], 40)  # joins mid-way
+    got[c] = []
+    for k, r in batch.step():
+        got[k] += r.tokens
+    batch.remove(b)  # its client left
+    while len(batch):
+        for k, r in batch.step():
+            got[k] += r.tokens
+    assert got[a] == refs[0] and got[c] == refs[2]
+    assert got[b] == refs[1][: len(got[b])] and 0 < len(got[b]) < 40
+
+
+def test_seeded_sampling_matches_single(loaded, draft_for):
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    kw = dict(temperature=0.9, top_p=0.95)
+    for bs in (4, "auto"):
+        want = [dflash_tokens(model, draft, tok, p, block_size=bs, max_tokens=30, seed=i, **kw)[0]
+                for i, p in enumerate(PROMPTS)]
+        got = [batch_generate(model, draft, tok, PROMPTS, 30, bs, seed=i, **kw)[i] for i in range(len(PROMPTS))]
+        assert got == want, bs
+    assert len({tuple(w) for w in want}) == len(want)
+
+
+def test_prompt_cache_is_refilled(loaded, draft_for):
+    """A row given a prompt cache leaves it holding the conversation: the next
+    turn continues it, with the output of a fresh run."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    draft = draft_for(folder)
+    cache, dcache = make_prompt_cache(model), DraftCache(draft)
+    batch = Batch(model, draft, tok, 4)
+    key = batch.add(PROMPTS[0], 20, prompt_cache=cache, draft_cache=dcache)
+    other = batch.add(PROMPTS[1], 35)
+    toks, _ = run(batch, [key, other])
+    ids = tok.encode(PROMPTS[0]) + toks[key]
+    assert cache[0].offset == len(ids) - 1 and dcache.size == len(ids) - 1
+    follow = tok.encode(" x = 1\n")
+    fresh = dflash_tokens(model, draft, tok, ids + follow, block_size=4, max_tokens=20)[0]
+    cont = dflash_tokens(model, draft, tok, ids[-1:] + follow, block_size=4, max_tokens=20,
+                         prompt_cache=cache, draft_cache=dcache)[0]
+    assert cont == fresh
+
+
+def test_refuses_recurrent_targets(loaded, draft_for):
+    model, tok, folder = loaded("qwen3_5")
+    with pytest.raises(UnsupportedModelError, match="plain attention"):
+        Batch(model, draft_for(folder), tok, 4)

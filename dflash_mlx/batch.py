@@ -74,6 +74,7 @@ class Batch:
         self.costs = costs
         self.rows: Dict[int, _Row] = {}
         self.cache: Optional[List[BatchKVCache]] = None  # row order = self.rows' order
+        self.widest = 0  # the most rows one round has verified together
         self._next = 0
 
     def __len__(self) -> int:
@@ -129,7 +130,12 @@ class Batch:
         if row.cache is not None:
             for j, c in enumerate(self.cache):
                 row.cache[j] = c.extract(i)
-            mx.eval([c.state for c in row.cache])
+            # Evaluated here: MLX cannot evaluate this thread's lazy arrays on another.
+            arrays = [c.state for c in row.cache]
+            if self.draft is not None:
+                d = row.dec.dstate
+                arrays += [c.state for c in d.cache if c.keys is not None] + [d.pending]
+            mx.eval(arrays)
         if row.dec.policy is not None:
             row.dec.policy.remember(self.draft)
         if self.rows:
@@ -137,6 +143,11 @@ class Batch:
                 c.filter([k for k in range(len(keys)) if k != i])
         else:
             self.cache = None
+
+    def clear(self) -> None:
+        """Drop every row at once (their prompt caches are left unfilled)."""
+        self.rows.clear()
+        self.cache = None
 
     def step(self) -> List[Tuple[int, GenerationResponse]]:
         """One round for every row: (key, response) pairs of the new tokens (a
@@ -152,6 +163,7 @@ class Batch:
 
     def _round(self) -> None:
         rows = list(self.rows.values())
+        self.widest = max(self.widest, len(rows))
         blocks, drafted, props = [], [], []
         for row in rows:
             anchor = mx.array(row.history[-1:])

@@ -44,7 +44,7 @@ def _run(args) -> int:
     model, tokenizer = load(model_path)
     draft = None if args.block_size == 1 else load_draft(draft_path)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p,
-                    args.top_k, args.min_p, args.max_tokens, prompt_cache_size=1)
+                    args.top_k, args.min_p, args.max_tokens, prompt_cache_size=1, concurrency=1)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     print("Type a message; /reset starts over, /quit leaves.", flush=True)

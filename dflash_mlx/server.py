@@ -79,10 +79,15 @@ class PromptCache:
     def __init__(self, size: int):
         self.size = size
         self.entries = collections.OrderedDict()
+        self.lock = threading.Lock()  # batched requests take and put concurrently
 
     def take(self, ids: List[int]):
         """(cache, reused) for ``ids``: the entry sharing the longest prefix,
         removed and cut to at most ``len(ids) - 1`` tokens, or (None, 0)."""
+        with self.lock:
+            return self._take(ids)
+
+    def _take(self, ids: List[int]):
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         best, best_n = None, 0
@@ -102,10 +107,11 @@ class PromptCache:
     def put(self, key: tuple, entry: tuple) -> None:
         if self.size <= 0 or not key:
             return
-        self.entries[key] = entry
-        self.entries.move_to_end(key)
-        while len(self.entries) > self.size:
-            self.entries.popitem(last=False)
+        with self.lock:
+            self.entries[key] = entry
+            self.entries.move_to_end(key)
+            while len(self.entries) > self.size:
+                self.entries.popitem(last=False)
 
 
 def _common(a, b) -> int:
@@ -134,7 +140,8 @@ class Served:
     """The loaded pair, the server's defaults and its shared state."""
 
     def __init__(self, model, draft, tokenizer, model_id, block_size="auto", temp=0.0, top_p=0.0,
-                 top_k=0, min_p=0.0, max_tokens=512, chat_template_args=None, prompt_cache_size=4):
+                 top_k=0, min_p=0.0, max_tokens=512, chat_template_args=None, prompt_cache_size=4,
+                 concurrency=4):
         self.model, self.draft, self.tokenizer, self.model_id = model, draft, tokenizer, model_id
         self.block_size = block_size
         self.defaults = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=None)
@@ -145,6 +152,22 @@ class Served:
         self.context = _context_length(model)
         self.vocab = Target(model).vocab_rows
         self.created = int(time.time())
+        self.scheduler = _scheduler(model, draft, tokenizer, block_size, concurrency)
+
+
+def _scheduler(model, draft, tokenizer, block_size, width: int):
+    """The batching scheduler, or None: requests then run one at a time."""
+    from .batch import Batch
+    from .distributed import group
+    from .rollback import trims_exactly
+    from .scheduler import Scheduler
+
+    if width <= 1 or group() is not None:
+        return None
+    if not all(trims_exactly(c) for c in Target(model).make_cache()):
+        log.info("Requests run one at a time: batching needs plain attention caches.")
+        return None
+    return Scheduler(Batch(model, draft, tokenizer, block_size), width)
 
 
 def _context_length(model) -> Optional[int]:
@@ -282,6 +305,13 @@ def generate(served: Served, req: Request, out: Outcome, lead: bool = True):
     being written to."""
     from .distributed import group, share
 
+    if served.scheduler is not None:  # batched: no turn to wait for
+        pieces = _generate(served, req, out)
+        try:
+            yield from pieces
+        finally:
+            pieces.close()
+        return
     with served.lock:
         if lead and group() is not None:
             share(asdict(req))
@@ -323,13 +353,19 @@ def _generate(served: Served, req: Request, out: Outcome):
         drafting = served.draft is not None and served.block_size != 1
         entry = (make_prompt_cache(served.model), DraftCache(served.draft) if drafting else None)
     tokens, consistent = list(req.ids), False
-    inner = stream_generate(
-        served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
-        max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
+    if served.scheduler is not None:
+        inner = served.scheduler.stream(req.ids[reused:], req.max_tokens, prompt_cache=entry[0],
+                                        draft_cache=entry[1], **req.sampling)
+    else:
+        inner = stream_generate(
+            served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
+            max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
     text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
     try:
         while (r := _next(inner)) is not None:
-            consistent, out.last = True, r
+            # A batched row goes on until the scheduler drops it: only a
+            # finished one leaves its cache at the tokens seen here.
+            consistent, out.last = served.scheduler is None or r.finish_reason is not None, r
             tokens += r.tokens
             text += r.text
             cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
@@ -556,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
     p.add_argument("--prompt-cache-size", type=int, default=4, help="Conversations whose cache is kept.")
+    p.add_argument("--decode-concurrency", type=int, default=4,
+                   help="Requests decoded together in one batch (1: one at a time).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -577,7 +615,8 @@ def _run(args) -> int:
     model, tokenizer = load(model_path, pipeline=args.pipeline)
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
-                    args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size)
+                    args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
+                    args.decode_concurrency)
     if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
         follow(served)
         return 0

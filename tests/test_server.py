@@ -2,6 +2,7 @@
 
 import http.client
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -133,7 +134,7 @@ def test_second_chat_turn_reuses_the_cache(pair, client):
     assert second.choices[0].message.content == fresh(pair, templated(tok, msgs), 10)
 
 
-def test_three_concurrent_clients(pair, client):
+def test_three_concurrent_clients(server, pair, client):
     prompts = ["import sys", "x = [", "while True:"]
     want = {p: fresh(pair, p, 16) for p in prompts}
     got = {}
@@ -141,16 +142,20 @@ def test_three_concurrent_clients(pair, client):
     def run(p):
         got[p] = client.completions.create(model="tiny", prompt=p, max_tokens=16).choices[0].text
 
+    batch = server[1].scheduler.batch
+    batch.widest = 0
     threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
     assert got == want
+    assert batch.widest > 1  # they were decoded together
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream):
+def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream, caplog):
+    caplog.set_level(logging.INFO, logger="dflash_mlx.scheduler")
     srv, served = server
     served.cache.entries.clear()
     body = json.dumps({"prompt": "print(", "max_tokens": 4000, "stream": stream}).encode()
@@ -163,10 +168,11 @@ def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream):
         time.sleep(0.3)
     s.close()
     deadline = time.time() + 10
-    while served.lock._held and time.time() < deadline:
+    while len(served.scheduler.batch) and time.time() < deadline:
         time.sleep(0.05)
-    assert not served.lock._held
-    assert max(len(k) for k in served.cache.entries) < 3000  # stopped well before 4000 tokens
+    assert not len(served.scheduler.batch)
+    left = [r.args[0] for r in caplog.records if r.name == "dflash_mlx.scheduler"]
+    assert len(left) == 1 and left[0] < 3000  # stopped well before 4000 tokens
     r = client.completions.create(model="tiny", prompt="def f(", max_tokens=8)
     assert r.choices[0].text == fresh(pair, "def f(", 8)
 

@@ -1,0 +1,99 @@
+"""The server's generation thread: requests join one :class:`.batch.Batch` as
+they arrive and leave it when they finish or their client goes."""
+
+import collections
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Generator, List, Optional
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from .batch import Batch
+from .decoding import GenerationResponse
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    args: tuple
+    kwargs: dict
+    out: queue.Queue = field(default_factory=queue.Queue)
+    gone: threading.Event = field(default_factory=threading.Event)
+
+
+class Scheduler:
+    """Runs every generation of a model on one thread, up to ``width`` at a
+    time in one batch; the others wait in arrival order.
+
+    Args:
+        batch: The (empty) batch the generations share.
+        width: The most generations decoded together.
+    """
+
+    def __init__(self, batch: Batch, width: int = 4):
+        self.batch, self.width = batch, width
+        self._waiting: collections.deque = collections.deque()
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
+        self._thread.start()
+
+    def stream(self, prompt: List[int], max_tokens: int, **kwargs) -> Generator[GenerationResponse, None, None]:
+        """Like :func:`.stream_generate` on the batch's pair (``kwargs``: the
+        sampling settings, ``prompt_cache`` and ``draft_cache``). Closing the
+        generator takes the generation out of the batch."""
+        job = _Job((prompt, max_tokens), kwargs)
+        with self._wake:
+            self._waiting.append(job)
+            self._wake.notify()
+        try:
+            while True:
+                r = job.out.get()
+                if isinstance(r, BaseException):
+                    raise r
+                yield r
+                if r.finish_reason:
+                    return
+        finally:
+            job.gone.set()
+            with self._wake:
+                self._wake.notify()
+
+    def _loop(self) -> None:
+        jobs = {}
+        with mx.stream(generation_stream):
+            while True:
+                with self._wake:
+                    while not jobs and not self._waiting:
+                        self._wake.wait()
+                    admit = []
+                    while self._waiting and len(jobs) + len(admit) < self.width:
+                        admit.append(self._waiting.popleft())
+                for job in admit:
+                    if job.gone.is_set():
+                        continue
+                    try:
+                        jobs[self.batch.add(*job.args, **job.kwargs)] = job
+                    except Exception as e:  # a bad request: its own error, the others go on
+                        job.out.put(e)
+                for key in [k for k, j in jobs.items() if j.gone.is_set()]:
+                    log.info("A client left: its generation stopped after %d tokens.", self.batch.rows[key].n)
+                    self.batch.remove(key)
+                    del jobs[key]
+                if not jobs:
+                    continue
+                try:
+                    done = self.batch.step()
+                except Exception as e:  # never expected: fail the rows in it, keep serving
+                    for job in jobs.values():
+                        job.out.put(e)
+                    self.batch.clear()
+                    jobs.clear()
+                    continue
+                for key, r in done:
+                    jobs[key].out.put(r)
+                    if r.finish_reason:
+                        del jobs[key]

@@ -164,14 +164,14 @@ class Batch:
     def _round(self) -> None:
         rows = list(self.rows.values())
         self.widest = max(self.widest, len(rows))
-        blocks, drafted, props = [], [], []
-        for row in rows:
-            anchor = mx.array(row.history[-1:])
-            length = min(self.top, row.max_tokens - row.n)
-            d = row.dec.drafts(length)
-            p, q = row.dec.propose(anchor, length) if d else (None, None)
-            blocks.append(anchor if p is None else mx.concatenate([anchor, p]))
-            drafted.append(d)
+        anchors = [mx.array(r.history[-1:]) for r in rows]
+        limits = [min(self.top, r.max_tokens - r.n) for r in rows]
+        guesses = [r.dec.guess(a, n) if r.dec.drafts(n) else None for r, a, n in zip(rows, anchors, limits)]
+        lengths = self._lengths(rows, guesses, limits)
+        blocks, props = [], []
+        for r, a, g, n in zip(rows, anchors, guesses, lengths):
+            p, q = r.dec.cut(g, n) if g is not None else (None, None)
+            blocks.append(a if p is None else mx.concatenate([a, p]))
             props.append((p, q))
         L = max(b.shape[0] for b in blocks)
         # Shorter rows are padded with their anchor; rolled back with the rejected drafts.
@@ -186,7 +186,31 @@ class Batch:
         for i, row in enumerate(rows):
             choice, a = kept[i]
             feats = f[i : i + 1] if f is not None else None
-            row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0], drafted[i])
+            row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0], guesses[i] is not None)
+
+    def _lengths(self, rows, guesses, limits) -> List[int]:
+        """Tokens each row verifies. A fixed block size: its block (1 for a row
+        without drafts). ``"auto"``: one length L for the round, the one with
+        the most expected tokens over all rows per unit of cost (the draft
+        passes plus a verify of B x L tokens), each row's chances from its own
+        policy; a row verifies min(L, its most)."""
+        if self.bs != "auto":
+            return [n if g is not None else 1 for g, n in zip(guesses, limits)]
+        drafting = [i for i, g in enumerate(guesses) if g is not None]
+        if not drafting:
+            return [1] * len(rows)
+        mx.eval([guesses[i][0] for i in drafting] + [guesses[i][2] for i in drafting])
+        conf = {i: guesses[i][2].tolist() for i in drafting}
+        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf else [1.0] for i in range(len(rows))]
+        costs = rows[drafting[0]].dec.policy.costs
+        paid = costs.draft * len(drafting)
+        best, top = 1, -1.0
+        for L in range(1, max(len(g) for g in gain) + 1):
+            score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + costs.verify_at(len(rows) * L))
+            if score > top:
+                best, top = L, score
+        return [rows[i].dec.policy.chose(conf[i], min(best, len(gain[i]))) if i in conf else 1
+                for i in range(len(rows))]
 
     @property
     def target_layers(self) -> List[int]:

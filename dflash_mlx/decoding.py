@@ -445,7 +445,16 @@ class _Decoder:
         """The draft tokens after ``anchor`` [1] (up to ``length - 1``; a
         policy may cut them, to none) and, for sampled proposals, the
         distributions they were drawn from: (proposal or None, q or None)."""
-        t, policy, q = self.target, self.policy, None
+        guess = self.guess(anchor, length)
+        if self.policy is not None:
+            mx.eval(guess[0], guess[2])
+            length = self.policy.length(guess[2].tolist(), length)
+        return self.cut(guess, length)
+
+    def guess(self, anchor: mx.array, length: int):
+        """The draft pass, lazily: (proposal [length - 1], q or None, the
+        confidences when a policy will choose the length, else None)."""
+        t, q = self.target, None
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
         # mask positions and guesses worse; only length - 1 drafts are verified.
@@ -459,18 +468,21 @@ class _Decoder:
             proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
-        if policy is not None:
-            conf = confidence(logits[: length - 1])
-            mx.eval(proposal, conf)
-            length = policy.length(conf.tolist(), length)
-            if length == 1:
-                return None, None
-            proposal = proposal[: length - 1]
+        conf = confidence(logits[: length - 1]) if self.policy is not None else None
+        return proposal, q, conf
+
+    def cut(self, guess, length: int):
+        """The first ``length - 1`` tokens of a :meth:`guess` (in the target's
+        vocabulary) and their distributions, or (None, None) for none."""
+        proposal, q, _ = guess
+        if length <= 1:
+            return None, None
+        proposal = proposal[: length - 1]
         if self.keys is not None:
             q = self._full(q[: length - 1])
         if self.vocab is not None:
             proposal = self.vocab[proposal]
-        return proposal.astype(anchor.dtype), q
+        return proposal.astype(mx.int32), q
 
     def commit(self, out: List[int], a: int, f, verified: int, drafted: bool) -> List[int]:
         """Book a verified round whose caches are rolled back: queue the kept

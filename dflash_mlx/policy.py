@@ -149,19 +149,30 @@ class Policy:
     def length(self, conf: List[float], limit: int) -> int:
         """Tokens to verify (1..``limit``) after a draft pass whose top
         probabilities at offsets 1..limit-1 are ``conf``."""
+        gain = self.expect(conf, limit)
+        draft, best, top = self.costs.draft, 1, -1.0
+        for n, e in enumerate(gain, 1):
+            score = e / (draft + self.costs.verify_at(n))
+            if score > top:
+                best, top = n, score
+        return self.chose(conf, best)
+
+    def expect(self, conf: List[float], limit: int) -> List[float]:
+        """Expected tokens committed by verifying 1, 2, ... tokens after a
+        draft pass with confidences ``conf`` (a probe: at most ``probe_limit``)."""
         if self.probe:
             self._reset()
             limit = min(limit, self.probe_limit)
-        draft, best, top, reach, expected = self.costs.draft, 1, -1.0, 1.0, 1.0
-        for n in range(1, limit + 1):
-            if n > 1:
-                reach *= self.chance(conf[n - 2])
-                expected += reach
-            score = expected / (draft + self.costs.verify_at(n))
-            if score > top:
-                best, top = n, score
-        self._seen = list(conf[: best - 1])
-        return best
+        reach, gain = 1.0, [1.0]
+        for c in conf[: limit - 1]:
+            reach *= self.chance(c)
+            gain.append(gain[-1] + reach)
+        return gain
+
+    def chose(self, conf: List[float], n: int) -> int:
+        """Record that ``n`` tokens are verified after this draft pass; ``n``."""
+        self._seen = list(conf[: n - 1])
+        return n
 
     def update(self, verified: int, accepted: int, drafted: bool) -> None:
         """Learn from a round that verified ``verified`` tokens and accepted

@@ -39,6 +39,7 @@ class _Row:
     detok: object
     prompt_tps: float
     cache: Optional[list]  # the caller's prompt cache, refilled when the row leaves
+    alone: bool = False  # seeded sampling: its rounds must not depend on the other rows
     n: int = 0
     tic: float = field(default_factory=time.perf_counter)
 
@@ -109,7 +110,7 @@ class Batch:
         first = dec.prefill(ids, prefill_step_size)
         mx.eval([c.state for c in dec.cache])
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
-                   len(ids) / (time.perf_counter() - tic), prompt_cache)
+                   len(ids) / (time.perf_counter() - tic), prompt_cache, seed is not None and temperature > 0)
         row.detok.reset()
         one = [BatchKVCache.merge([c]) for c in dec.cache]
         if self.cache is None:
@@ -201,16 +202,26 @@ class Batch:
             return [1] * len(rows)
         mx.eval([guesses[i][0] for i in drafting] + [guesses[i][2] for i in drafting])
         conf = {i: guesses[i][2].tolist() for i in drafting}
-        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf else [1.0] for i in range(len(rows))]
+        # A seeded sampled row draws per round: it chooses alone, so its text repeats.
+        own = {i: rows[i].dec.policy.length(conf[i], limits[i]) for i in drafting if rows[i].alone}
+        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf and i not in own else [1.0]
+                for i in range(len(rows))]
         costs = rows[drafting[0]].dec.policy.costs
         paid = costs.draft * len(drafting)
         best, top = 1, -1.0
-        for L in range(1, max(len(g) for g in gain) + 1):
+        for L in range(max(own.values(), default=1), max(len(g) for g in gain) + 1):
             score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + costs.verify_at(len(rows) * L))
             if score > top:
                 best, top = L, score
-        return [rows[i].dec.policy.chose(conf[i], min(best, len(gain[i]))) if i in conf else 1
-                for i in range(len(rows))]
+        out = []
+        for i, g in enumerate(gain):
+            if i in own:
+                out.append(own[i])
+            elif i in conf:
+                out.append(rows[i].dec.policy.chose(conf[i], min(best, len(g))))
+            else:
+                out.append(1)
+        return out
 
     @property
     def target_layers(self) -> List[int]:

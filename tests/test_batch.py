@@ -76,6 +76,23 @@ def test_seeded_sampling_matches_single(loaded, draft_for):
     assert len({tuple(w) for w in want}) == len(want)
 
 
+def test_seeded_row_ignores_its_companions(loaded, draft_for):
+    """Under "auto" a round's length depends on all rows, but a seeded
+    sampled row chooses alone: its text is the one it gets alone."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, PROMPTS[0], 60)
+    draft = draft_for(folder, mask_token_id=runs(ref)[0], echo=True)
+    kw = dict(max_tokens=40, temperature=0.1, seed=1)
+    want, rs = dflash_tokens(model, draft, tok, PROMPTS[0], block_size="auto", **kw)
+    assert max(r.accepted for r in rs) > 1
+    batch = Batch(model, draft, tok, "auto")
+    key = batch.add(PROMPTS[0], **kw)
+    others = [batch.add(p, 40) for p in PROMPTS * 3]
+    toks, _ = run(batch, [key, *others])
+    assert toks[key] == want
+    assert [toks[k] for k in others] == [mlx_tokens(model, tok, p, 40) for p in PROMPTS * 3]
+
+
 def test_prompt_cache_is_refilled(loaded, draft_for):
     """A row given a prompt cache leaves it holding the conversation: the next
     turn continues it, with the output of a fresh run."""

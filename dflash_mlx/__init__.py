@@ -13,6 +13,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .decoding import DraftCache, GenerationResponse, generate, stream_generate
+from .batch import Batch, batch_generate
 from .loading import check_compatible, load, load_draft, save_draft
 
 __version__ = "0.1.0"

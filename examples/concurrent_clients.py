@@ -2,6 +2,7 @@
 on one `python -m dflash_mlx.server` (default pair) that this script starts.
 
     python examples/concurrent_clients.py [--clients 4] [--max-tokens 96] [--block-size auto]
+        [--decode-concurrency N (default: --clients; 1 serves one request at a time)]
 """
 
 import argparse
@@ -29,11 +30,13 @@ def main():
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--block-size", default="auto")
+    p.add_argument("--decode-concurrency", type=int, default=None)
     p.add_argument("--port", type=int, default=8091)
     args = p.parse_args()
+    width = args.decode_concurrency or args.clients
     server = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--port", str(args.port),
                                "--prompt-cache-size", "0", "--block-size", args.block_size,
-                               "--decode-concurrency", str(args.clients)], stderr=subprocess.DEVNULL)
+                               "--decode-concurrency", str(width)], stderr=subprocess.DEVNULL)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0, timeout=600)
         for _ in range(600):
@@ -67,7 +70,8 @@ def main():
         t_together = time.perf_counter() - tic
         n_serial = sum(n for _, n in serial)
         n_together = sum(n for _, n in together)
-        print(f"{args.clients} clients, {args.max_tokens} tokens each, block size {args.block_size}:")
+        print(f"{args.clients} clients, {args.max_tokens} tokens each, block size {args.block_size}, "
+              f"decode concurrency {width}:")
         print(f"  one after another: {n_serial} tokens in {t_serial:.1f} s = {n_serial / t_serial:.1f} tok/s")
         print(f"  all at once:       {n_together} tokens in {t_together:.1f} s = {n_together / t_together:.1f} tok/s")
         print(f"  speed-up {n_together / t_together / (n_serial / t_serial):.2f}x, "

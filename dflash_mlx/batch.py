@@ -74,7 +74,9 @@ class Batch:
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
         self.costs = costs
         self.rows: Dict[int, _Row] = {}
-        self.cache: Optional[List[BatchKVCache]] = None  # row order = self.rows' order
+        # The rows' batched caches (in self.rows' order); None while one row
+        # runs alone on its own caches, as stream_generate would.
+        self.cache: Optional[List[BatchKVCache]] = None
         self.widest = 0  # the most rows one round has verified together
         self._next = 0
 
@@ -101,7 +103,6 @@ class Batch:
         dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k, seed), None,
                        list(cache), False, draft_cache, greedy=temperature == 0,
                        dist=make_distribution(temperature, top_p, min_p, top_k), sampled=sampled, seed=seed)
-        dec.pipelined = False
         if self.bs == "auto":
             dec.policy = Policy(self.costs or cached_costs(self.target, self.draft), self.top)
             if seed is None:
@@ -112,12 +113,13 @@ class Batch:
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
                    len(ids) / (time.perf_counter() - tic), prompt_cache, seed is not None and temperature > 0)
         row.detok.reset()
-        one = [BatchKVCache.merge([c]) for c in dec.cache]
-        if self.cache is None:
-            self.cache = one
-        else:
-            for c, o in zip(self.cache, one):
-                c.extend(o)
+        if self.rows:
+            if self.cache is None:  # the first row ran alone: its queued step out, into a batch
+                alone = next(iter(self.rows.values())).dec
+                alone.settle()
+                self.cache = [BatchKVCache.merge([c]) for c in alone.cache]
+            for c, o in zip(self.cache, dec.cache):
+                c.extend(BatchKVCache.merge([o]))
         key, self._next = self._next, self._next + 1
         self.rows[key] = row
         return key
@@ -128,9 +130,19 @@ class Batch:
         keys = list(self.rows)
         i = keys.index(key)
         row = self.rows.pop(key)
+        if self.cache is None:  # it ran alone, on its own caches
+            row.dec.settle()
+            own = row.dec.cache
+        else:
+            own = [c.extract(i) for c in self.cache] if row.cache is not None else None
+            if len(self.rows) == 1:  # the last one goes on alone
+                self.rows[keys[1 - i]].dec.cache = [c.extract(1 - i) for c in self.cache]
+                self.cache = None
+            else:
+                for c in self.cache:
+                    c.filter([k for k in range(len(keys)) if k != i])
         if row.cache is not None:
-            for j, c in enumerate(self.cache):
-                row.cache[j] = c.extract(i)
+            row.cache[:] = own
             # Evaluated here: MLX cannot evaluate this thread's lazy arrays on another.
             arrays = [c.state for c in row.cache]
             if self.draft is not None:
@@ -139,11 +151,6 @@ class Batch:
             mx.eval(arrays)
         if row.dec.policy is not None:
             row.dec.policy.remember(self.draft)
-        if self.rows:
-            for c in self.cache:
-                c.filter([k for k in range(len(keys)) if k != i])
-        else:
-            self.cache = None
 
     def clear(self) -> None:
         """Drop every row at once (their prompt caches are left unfilled)."""
@@ -165,6 +172,11 @@ class Batch:
     def _round(self) -> None:
         rows = list(self.rows.values())
         self.widest = max(self.widest, len(rows))
+        if self.cache is None:  # one row: the single-sequence round, plain steps pipelined
+            row = rows[0]
+            left = row.max_tokens - row.n
+            row.out = row.dec.round(row.history, min(self.top, left), more=left > 1)
+            return
         anchors = [mx.array(r.history[-1:]) for r in rows]
         limits = [min(self.top, r.max_tokens - r.n) for r in rows]
         guesses = [r.dec.guess(a, n) if r.dec.drafts(n) else None for r, a, n in zip(rows, anchors, limits)]

@@ -42,24 +42,33 @@ def test_batch_is_lossless_greedy(arch, loaded, draft_for):
             assert max(acc) > 1 and 1 in acc, bs
 
 
-def test_rows_join_and_leave(loaded, draft_for):
+@pytest.mark.parametrize("bs", [8, 1])
+def test_rows_join_and_leave(loaded, draft_for, bs):
+    """A row runs alone (block 1: pipelined plain steps), others join and
+    leave, the last one goes on alone again."""
     model, tok, folder = loaded("qwen3", tied=True)
     refs = [mlx_tokens(model, tok, p, 40) for p in PROMPTS]
     draft = draft_for(folder, mask_token_id=runs(refs[0])[0], echo=True)
-    batch = Batch(model, draft, tok, 8)
-    a, b = batch.add(PROMPTS[0], 40), batch.add(PROMPTS[1], 40)
-    got = {a: [], b: []}
-    for _ in range(3):
+    batch = Batch(model, draft, tok, bs)
+    a = batch.add(PROMPTS[0], 40)
+    got = {a: []}
+
+    def step():
         for k, r in batch.step():
             got[k] += r.tokens
-    c = batch.add(PROMPTS[2], 40)  # joins mid-way
+
+    for _ in range(3):
+        step()
+    b = batch.add(PROMPTS[1], 40)
+    got[b] = []
+    for _ in range(2):
+        step()
+    c = batch.add(PROMPTS[2], 40)
     got[c] = []
-    for k, r in batch.step():
-        got[k] += r.tokens
+    step()
     batch.remove(b)  # its client left
     while len(batch):
-        for k, r in batch.step():
-            got[k] += r.tokens
+        step()
     assert got[a] == refs[0] and got[c] == refs[2]
     assert got[b] == refs[1][: len(got[b])] and 0 < len(got[b]) < 40
 

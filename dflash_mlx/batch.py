@@ -78,6 +78,7 @@ class Batch:
         # runs alone on its own caches, as stream_generate would.
         self.cache: Optional[List[BatchKVCache]] = None
         self.widest = 0  # the most rows one round has verified together
+        self._shares: Dict[int, Costs] = {}
         self._next = 0
 
     def __len__(self) -> int:
@@ -104,7 +105,7 @@ class Batch:
                        list(cache), False, draft_cache, greedy=temperature == 0,
                        dist=make_distribution(temperature, top_p, min_p, top_k), sampled=sampled, seed=seed)
         if self.bs == "auto":
-            dec.policy = Policy(self.costs or cached_costs(self.target, self.draft), self.top)
+            dec.policy = Policy(self._share(1), self.top)
             if seed is None:
                 dec.policy.recall(self.draft)
         tic = time.perf_counter()
@@ -169,9 +170,27 @@ class Batch:
             out += [(key, self._report(key)) for key in list(self.rows)]
         return out
 
+    def _share(self, width: int) -> Costs:
+        """One row's share of a round's costs when ``width`` rows run together
+        (:func:`.policy.measure_costs`): measured once per width and cached,
+        or with given costs, scaled from them (a verify of B x L tokens)."""
+        if width not in self._shares:
+            c = self.costs
+            if c is None:
+                c = cached_costs(self.target, self.draft, width=width)
+            elif width > 1:
+                plain = c.verify_at(width)
+                c = Costs(c.draft * width / plain, {L: c.verify_at(width * L) / plain for L in c.verify})
+            self._shares[width] = c
+        return self._shares[width]
+
     def _round(self) -> None:
         rows = list(self.rows.values())
         self.widest = max(self.widest, len(rows))
+        if self.bs == "auto":  # a seeded row keeps its own costs: its rounds must repeat
+            share = self._share(len(rows))
+            for r in rows:
+                r.dec.policy.costs = self._share(1) if r.alone else share
         if self.cache is None:  # one row: the single-sequence round, plain steps pipelined
             row = rows[0]
             left = row.max_tokens - row.n
@@ -205,8 +224,8 @@ class Batch:
         """Tokens each row verifies. A fixed block size: its block (1 for a row
         without drafts). ``"auto"``: one length L for the round, the one with
         the most expected tokens over all rows per unit of cost (the draft
-        passes plus a verify of B x L tokens), each row's chances from its own
-        policy; a row verifies min(L, its most)."""
+        passes plus a batched verify of L tokens a row, :meth:`_share`), each
+        row's chances from its own policy; a row verifies min(L, its most)."""
         if self.bs != "auto":
             return [n if g is not None else 1 for g, n in zip(guesses, limits)]
         drafting = [i for i, g in enumerate(guesses) if g is not None]
@@ -218,11 +237,11 @@ class Batch:
         own = {i: rows[i].dec.policy.length(conf[i], limits[i]) for i in drafting if rows[i].alone}
         gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf and i not in own else [1.0]
                 for i in range(len(rows))]
-        costs = rows[drafting[0]].dec.policy.costs
+        costs = self._share(len(rows))
         paid = costs.draft * len(drafting)
         best, top = 1, -1.0
         for L in range(max(own.values(), default=1), max(len(g) for g in gain) + 1):
-            score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + costs.verify_at(len(rows) * L))
+            score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + len(rows) * costs.verify_at(L))
             if score > top:
                 best, top = L, score
         out = []

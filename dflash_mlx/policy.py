@@ -205,10 +205,17 @@ _learnt: Dict[int, dict] = {}
 # ------------------------------------------------------------ calibration
 
 
-def measure_costs(target, draft, budget: float = 1.5, reps: int = 5) -> Costs:
+def measure_costs(target, draft, budget: float = 1.5, reps: int = 5, width: int = 1) -> Costs:
     """Time verify forwards of a few lengths and a draft pass on a throwaway
     cache, as a round runs them (token choice, rollback, synchronisation);
-    the fastest of up to ``reps`` runs each, within about ``budget`` seconds."""
+    the fastest of up to ``reps`` runs each, within about ``budget`` seconds.
+
+    With ``width`` B > 1, the verify forwards run on B rows at once (batched
+    caches, :mod:`.batch`) and the costs are one row's share, in units of
+    its share of a batched plain step: draft = t_draft / (t_B(1) / B),
+    verify(L) = t_B(L) / t_B(1)."""
+    from mlx_lm.models.cache import BatchKVCache
+
     from .rollback import rollback
     from .sampling import greedy
 
@@ -220,8 +227,19 @@ def measure_costs(target, draft, budget: float = 1.5, reps: int = 5) -> Costs:
     _, feats, _ = target.forward(mx.arange(32) % target.vocab_rows, cache, ids)
     mx.eval(feats, [c.state for c in cache])
     new = [feats]
+    if width > 1:
+        cache = [BatchKVCache([0] * width) for _ in cache]
+        _, f, _ = target.forward(mx.arange(32 * width).reshape(width, 32) % target.vocab_rows, cache, ids)
+        mx.eval(f, [c.state for c in cache])
 
     def verify(n):
+        if width > 1:
+            logits, f, _ = target.forward(mx.ones((width, n), mx.int32), cache, ids)
+            greedy(logits.reshape(width * n, -1))[0].tolist()
+            for c in cache:
+                c.trim(n - 1)
+            mx.eval(f, [c.state for c in cache])
+            return
         logits, f, tape = target.forward(mx.ones((n,), mx.int32), cache, ids, True)
         greedy(logits)[0].tolist()
         rollback(cache, tape, 1, n)
@@ -249,7 +267,7 @@ def measure_costs(target, draft, budget: float = 1.5, reps: int = 5) -> Costs:
     for n in sorted(k for k in best if k != "draft"):
         last = max(last, best[n] / unit)  # timing noise must not make longer cheaper
         verify_costs[n] = last
-    return Costs(best["draft"] / unit, verify_costs)
+    return Costs(best["draft"] / (unit / width), verify_costs)
 
 
 def cache_key(target, draft) -> dict:
@@ -278,8 +296,9 @@ def cache_key(target, draft) -> dict:
     }
 
 
-def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
-    """The cost model of this pair on this machine: read from
+def cached_costs(target, draft, root: Optional[Path] = None, width: int = 1) -> Costs:
+    """The cost model of this pair on this machine (for ``width`` rows
+    decoded together, see :func:`measure_costs`): read from
     ``<root>/costs/`` (default :func:`dflash_mlx.gguf.cache_root`), or
     measured (a second or two) and saved. An unreadable file is measured
     again, with a warning."""
@@ -294,6 +313,8 @@ def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
         values = distributed.agree_floats([costs.draft] + [costs.verify[k] for k in keys])
         return Costs(values[0], dict(zip(keys, values[1:])))
     key = cache_key(target, draft)
+    if width > 1:
+        key["width"] = width
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = Path(root or cache_root()) / "costs" / f"{name}.json"
     if path.exists():
@@ -304,7 +325,7 @@ def cached_costs(target, draft, root: Optional[Path] = None) -> Costs:
             return Costs.from_dict(d)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             warnings.warn(f"Ignoring the unreadable cost cache {path} ({e}); measuring again.")
-    costs = measure_costs(target, draft)
+    costs = measure_costs(target, draft, width=width)
     try:
         _write(path, {"key": key, **costs.to_dict()})
     except OSError as e:

@@ -66,34 +66,36 @@ class Scheduler:
         jobs = {}
         with mx.stream(generation_stream):
             while True:
-                with self._wake:
-                    while not jobs and not self._waiting:
-                        self._wake.wait()
-                    admit = []
-                    while self._waiting and len(jobs) + len(admit) < self.width:
-                        admit.append(self._waiting.popleft())
-                for job in admit:
-                    if job.gone.is_set():
-                        continue
-                    try:
-                        jobs[self.batch.add(*job.args, **job.kwargs)] = job
-                    except Exception as e:  # a bad request: its own error, the others go on
-                        job.out.put(e)
-                for key in [k for k, j in jobs.items() if j.gone.is_set()]:
-                    log.info("A client left: its generation stopped after %d tokens.", self.batch.rows[key].n)
-                    self.batch.remove(key)
-                    del jobs[key]
-                if not jobs:
-                    continue
                 try:
-                    done = self.batch.step()
+                    self._turn(jobs)
                 except Exception as e:  # never expected: fail the rows in it, keep serving
+                    log.exception("Batched generation failed")
                     for job in jobs.values():
                         job.out.put(e)
-                    self.batch.clear()
                     jobs.clear()
-                    continue
-                for key, r in done:
-                    jobs[key].out.put(r)
-                    if r.finish_reason:
-                        del jobs[key]
+                    self.batch.clear()
+
+    def _turn(self, jobs: dict) -> None:
+        """Admit waiting requests, drop the ones whose client left, run a round."""
+        with self._wake:
+            while not jobs and not self._waiting:
+                self._wake.wait()
+            admit = []
+            while self._waiting and len(jobs) + len(admit) < self.width:
+                admit.append(self._waiting.popleft())
+        for job in admit:
+            if job.gone.is_set():
+                continue
+            try:
+                jobs[self.batch.add(*job.args, **job.kwargs)] = job
+            except Exception as e:  # a bad request: its own error, the others go on
+                job.out.put(e)
+        for key in [k for k, j in jobs.items() if j.gone.is_set()]:
+            log.info("A client left: its generation stopped after %d tokens.", self.batch.rows[key].n)
+            self.batch.remove(key)
+            del jobs[key]
+        if jobs:
+            for key, r in self.batch.step():
+                jobs[key].out.put(r)
+                if r.finish_reason:
+                    del jobs[key]

@@ -10,7 +10,7 @@ from dflash_mlx.generate import known_draft
 from util import mlx_run
 
 HELDOUT = Path(__file__).parents[1] / "dflash_mlx" / "smollm2" / "heldout.jsonl"
-TAU_GUARD = 1.15  # a draft that guesses nothing gives 1.0; stage 2 measured 1.28 held out
+TAU_GUARD = 1.25
 
 
 @pytest.fixture(scope="module")

@@ -170,6 +170,13 @@ class Batch:
             out += [(key, self._report(key)) for key in list(self.rows)]
         return out
 
+    def calibrate(self, width: int) -> None:
+        """Measure (or read) the costs of batches up to ``width`` rows now:
+        the first time on a machine that takes a second or two a width."""
+        if self.bs == "auto":
+            for w in range(1, width + 1):
+                self._share(w)
+
     def _share(self, width: int) -> Costs:
         """One row's share of a round's costs when ``width`` rows run together
         (:func:`.policy.measure_costs`): measured once per width and cached,

@@ -65,6 +65,10 @@ class Scheduler:
     def _loop(self) -> None:
         jobs = {}
         with mx.stream(generation_stream):
+            try:  # measured now (once per machine), not in the middle of requests
+                self.batch.calibrate(self.width)
+            except Exception:
+                log.exception("Could not measure the batched costs; they are measured when needed.")
             while True:
                 try:
                     self._turn(jobs)

@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .decoding import DraftCache, GenerationResponse, _check_args, _Decoder, _prompt_ids
+from .decoding import DraftCache, GenerationResponse, _check_args, _check_vocab, _Decoder, _prompt_ids, _take
 from .distributed import group
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError, UnsupportedModelError
@@ -93,10 +93,7 @@ class Batch:
         the prompt cache is refilled when the row leaves the batch."""
         _check_args(self.draft, self.bs, max_tokens, temperature, top_p, top_k, min_p, seed)
         ids = _prompt_ids(self.tokenizer, prompt)
-        if min(ids) < 0 or max(ids) >= self.target.vocab_rows:
-            raise GenerationArgumentError(
-                f"The prompt holds token ids outside the model's vocabulary (0..{self.target.vocab_rows - 1})."
-            )
+        _check_vocab(ids, self.target.vocab_rows)
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
@@ -268,20 +265,9 @@ class Batch:
     def _report(self, key: int) -> GenerationResponse:
         """Book row ``key``'s new tokens; it leaves the batch if they finish it."""
         row = self.rows[key]
-        tokens, new, finish = row.out, [], None
-        eos = set(self.tokenizer.eos_token_ids)
-        for t in tokens:
-            new.append(t)
-            row.n += 1
-            if t in eos:
-                finish = "stop"
-                break
-            row.detok.add_token(t)
-            if row.n == row.max_tokens:
-                finish = "length"
-                break
+        tokens = row.out
+        new, row.n, finish = _take(tokens, row.n, row.max_tokens, set(self.tokenizer.eos_token_ids), row.detok)
         if finish:
-            row.detok.finalize()
             self.remove(key)
         row.history.extend(new)
         row.out = []

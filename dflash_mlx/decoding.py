@@ -135,6 +135,30 @@ def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
     return ids
 
 
+def _check_vocab(ids: List[int], rows: int) -> None:
+    if min(ids) < 0 or max(ids) >= rows:
+        raise GenerationArgumentError(f"The prompt holds token ids outside the model's vocabulary (0..{rows - 1}).")
+
+
+def _take(tokens: List[int], n: int, max_tokens: int, eos: set, detok):
+    """A round's tokens committed up to an EOS or ``max_tokens`` (``n``
+    generated before them) and detokenized: (new tokens, n, finish reason)."""
+    finish, new = None, []
+    for t in tokens:
+        new.append(t)
+        n += 1
+        if t in eos:
+            finish = "stop"
+            break
+        detok.add_token(t)
+        if n == max_tokens:
+            finish = "length"
+            break
+    if finish:
+        detok.finalize()
+    return new, n, finish
+
+
 def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed):
     trained = draft.block_size if draft is not None else 1
     if block_size is None or (isinstance(block_size, str) and block_size == "auto"):
@@ -270,10 +294,7 @@ def stream_generate(
         check_compatible(draft, model)
     target = Target(model)
     top = draft.block_size if bs == "auto" else bs
-    if min(ids) < 0 or max(ids) >= target.vocab_rows:
-        raise GenerationArgumentError(
-            f"The prompt holds token ids outside the model's vocabulary (0..{target.vocab_rows - 1})."
-        )
+    _check_vocab(ids, target.vocab_rows)
     if draft_cache is not None and (prompt_cache is None or top == 1):
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
@@ -322,20 +343,7 @@ def stream_generate(
         n = 0
         try:
             while True:
-                # Commit this round's tokens up to an EOS or max_tokens.
-                finish, new = None, []
-                for t in tokens:
-                    new.append(t)
-                    n += 1
-                    if t in eos:
-                        finish = "stop"
-                        break
-                    detok.add_token(t)
-                    if n == max_tokens:
-                        finish = "length"
-                        break
-                if finish:
-                    detok.finalize()
+                new, n, finish = _take(tokens, n, max_tokens, eos, detok)
                 history.extend(new)
                 yield GenerationResponse(
                     text=detok.last_segment,

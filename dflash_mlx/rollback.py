@@ -127,20 +127,22 @@ def rollback_rows(cache: list, drop: List[int]) -> None:
     row's dropped tokens is rolled to the front of the row, where its left
     padding (masked out) grows over it. Leading padding every row has is cut."""
     low = min(drop)
-    rest = [d - low for d in drop]
     for c in cache:
         c.trim(low)
-        if not any(rest) or c.keys is None:
+    if low == max(drop):
+        return
+    rest = mx.array([d - low for d in drop])
+    for c in cache:
+        if c.keys is None:
             continue
-        n, shift = c._idx, mx.array(rest)[:, None]
-        c.keys = dynamic_roll(c.keys[..., :n, :], shift, axis=2)
-        c.values = dynamic_roll(c.values[..., :n, :], shift, axis=2)
-        c.left_padding = c.left_padding + mx.array(rest)
-        c.offset = c.offset - mx.array(rest)
-    if any(rest):
-        pad = min(cache[0].left_padding.tolist())
-        for c in cache:
-            if pad and c.keys is not None:
-                c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
-                c._idx -= pad
-                c.left_padding = c.left_padding - pad
+        n = c._idx
+        c.keys = dynamic_roll(c.keys[..., :n, :], rest[:, None], axis=2)
+        c.values = dynamic_roll(c.values[..., :n, :], rest[:, None], axis=2)
+        c.left_padding = c.left_padding + rest
+        c.offset = c.offset - rest
+    pad = min(cache[0].left_padding.tolist())
+    for c in cache:
+        if pad and c.keys is not None:
+            c.keys, c.values = c.keys[..., pad:, :], c.values[..., pad:, :]
+            c._idx -= pad
+            c.left_padding = c.left_padding - pad

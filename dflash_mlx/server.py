@@ -158,16 +158,17 @@ class Served:
 def _scheduler(model, draft, tokenizer, block_size, width: int):
     """The batching scheduler, or None: requests then run one at a time."""
     from .batch import Batch
-    from .distributed import group
-    from .rollback import trims_exactly
+    from .errors import GenerationArgumentError, UnsupportedModelError
     from .scheduler import Scheduler
 
-    if width <= 1 or group() is not None:
+    if width <= 1:
         return None
-    if not all(trims_exactly(c) for c in Target(model).make_cache()):
-        log.info("Requests run one at a time: batching needs plain attention caches.")
+    try:
+        batch = Batch(model, draft, tokenizer, block_size)
+    except (GenerationArgumentError, UnsupportedModelError) as e:  # mlx.launch, recurrent caches
+        log.info("Requests run one at a time: %s", e)
         return None
-    return Scheduler(Batch(model, draft, tokenizer, block_size), width)
+    return Scheduler(batch, width)
 
 
 def _context_length(model) -> Optional[int]:
@@ -306,11 +307,7 @@ def generate(served: Served, req: Request, out: Outcome, lead: bool = True):
     from .distributed import group, share
 
     if served.scheduler is not None:  # batched: no turn to wait for
-        pieces = _generate(served, req, out)
-        try:
-            yield from pieces
-        finally:
-            pieces.close()
+        yield from _generate(served, req, out)
         return
     with served.lock:
         if lead and group() is not None:

@@ -6,12 +6,10 @@ on one `python -m dflash_mlx.server` (default pair) that this script starts.
 """
 
 import argparse
-import subprocess
-import sys
 import threading
 import time
 
-from openai import OpenAI
+from served import served
 
 QUESTIONS = [
     "What is the capital of France? Answer in two sentences.",
@@ -34,17 +32,8 @@ def main():
     p.add_argument("--port", type=int, default=8091)
     args = p.parse_args()
     width = args.decode_concurrency or args.clients
-    server = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--port", str(args.port),
-                               "--prompt-cache-size", "0", "--block-size", args.block_size,
-                               "--decode-concurrency", str(width)], stderr=subprocess.DEVNULL)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0, timeout=600)
-        for _ in range(600):
-            try:
-                client.models.list()
-                break
-            except Exception:
-                time.sleep(0.2)
+    with served(args.port, "--prompt-cache-size", "0", "--block-size", args.block_size,
+                "--decode-concurrency", str(width)) as client:
         questions = (QUESTIONS * args.clients)[: args.clients]
 
         def ask(q):
@@ -76,9 +65,6 @@ def main():
         print(f"  all at once:       {n_together} tokens in {t_together:.1f} s = {n_together / t_together:.1f} tok/s")
         print(f"  speed-up {n_together / t_together / (n_serial / t_serial):.2f}x, "
               f"identical texts: {'yes' if [s for s, _ in serial] == [s for s, _ in together] else 'NO'}")
-    finally:
-        server.terminate()
-        server.wait()
 
 
 if __name__ == "__main__":

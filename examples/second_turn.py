@@ -6,11 +6,9 @@ prompt cache: starts `python -m dflash_mlx.server` (default pair) itself.
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 
-from openai import OpenAI
+from served import served
 
 
 def main():
@@ -18,16 +16,7 @@ def main():
     p.add_argument("--prompt-cache-size", default="4")
     p.add_argument("--port", type=int, default=8090)
     args = p.parse_args()
-    server = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--port", str(args.port),
-                               "--prompt-cache-size", args.prompt_cache_size], stderr=subprocess.DEVNULL)
-    try:
-        client = OpenAI(base_url=f"http://127.0.0.1:{args.port}/v1", api_key="none", max_retries=0)
-        for _ in range(600):
-            try:
-                client.models.list()
-                break
-            except Exception:
-                time.sleep(0.2)
+    with served(args.port, "--prompt-cache-size", args.prompt_cache_size) as client:
         essay = " ".join(f"Sentence {i} talks about rivers, cities and the history of trade." for i in range(40))
         chat = [{"role": "user", "content": f"Here is my essay draft. {essay} Please summarise it in two sentences."}]
         for turn, follow_up in enumerate(["And in one word?", "Thanks. Why?", "Ok."], 1):
@@ -42,9 +31,6 @@ def main():
                               "cached_tokens": usage.prompt_tokens_details.cached_tokens,
                               "time_to_first_token_s": round(first, 3)}))
             chat += [{"role": "assistant", "content": text}, {"role": "user", "content": follow_up}]
-    finally:
-        server.terminate()
-        server.wait()
 
 
 if __name__ == "__main__":

@@ -278,6 +278,7 @@ class Batch:
             generation_tps=row.n / max(time.perf_counter() - row.tic, 1e-9),
             peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, rounds=d.rounds,
             committed=d.committed, verified=d.verified, from_draft=len(tokens) > 1,
+            logprobs=d.logprobs[: len(new)],
         )
 
 

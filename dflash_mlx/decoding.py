@@ -49,6 +49,9 @@ class GenerationResponse:
         finish_reason: "stop", "length" or None.
         exact: False when ``accept_threshold`` let near-top draft tokens in:
             the output is then not exactly the target's.
+        logprobs: The target's log-probabilities [len(tokens), V] of each
+            token's position (after logits processors, before temperature
+            and filters, as mlx-lm reports them); lazy: free unless read.
     """
 
     text: str
@@ -362,6 +365,7 @@ def stream_generate(
                     timing=dec.timing,
                     from_draft=len(tokens) > 1,
                     exact=accept_threshold is None,
+                    logprobs=dec.logprobs[: len(new)],
                 )
                 if finish:
                     return
@@ -406,7 +410,9 @@ class _Decoder:
         # no logits processors (they would need the token on the host).
         self.pipelined = (not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
-        self.ahead = None  # the queued step: (token [1], features)
+        self.ahead = None  # the queued step: (token [1], features, log-probabilities)
+        self.logprobs = None  # of the tokens last committed, lazily [k, V]
+        self._logp = None  # of the block last verified
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -418,8 +424,8 @@ class _Decoder:
                 mx.eval([c.state for c in self.cache] + feats)
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
-        logp = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        return agree(self.sampler(logp)).tolist()
+        self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
+        return agree(self.sampler(self.logprobs)).tolist()
 
     def round(self, history: List[int], length: int, more: bool = False) -> List[int]:
         """Draft ``length - 1`` tokens after the last one (with a policy: up
@@ -502,12 +508,13 @@ class _Decoder:
         self.rounds += 1
         self.committed += a + 1
         self.verified = verified
+        self.logprobs = self._logp[: a + 1]
         return out[: a + 1]
 
     def _plain(self, anchor: mx.array, more: bool) -> List[int]:
         """A plain step, the next one queued before this one's token is read
         when the next round is a plain step too."""
-        y, f = self.ahead if self.ahead is not None else self._step(anchor)
+        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor)
         self.ahead = None
         if more and (self.draft is None or (self.policy is not None and not self.policy.drafts(after=1))):
             self.ahead = self._step(y)
@@ -522,9 +529,11 @@ class _Decoder:
         return y.tolist()
 
     def _step(self, token: mx.array):
-        """The target's next token [1] after ``token`` [1], and the features, lazily."""
+        """The target's next token [1] after ``token`` [1], the features and
+        the log-probabilities, lazily."""
         logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
-        return self.sampler(process(logits[-1:], None, None, None)).astype(token.dtype), f
+        logp = process(logits[-1:], None, None, None)
+        return self.sampler(logp).astype(token.dtype), f, logp
 
     def settle(self) -> None:
         """Take a queued step back out of the caches (the generation ended)."""
@@ -539,8 +548,9 @@ class _Decoder:
         target's own choices, or with ``q`` (the distributions the drafts were
         sampled from) the p/q rule's tokens."""
         seen = mx.array(history[:-1]) if self.processors else None
+        self._logp = process(logits, seen, block, self.processors)  # lazy: built, run if read
         if q is not None and proposal is not None:
-            p = self.dist(process(logits, seen, block, self.processors))
+            p = self.dist(self._logp)
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, self.keys[1](), near)
             out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
@@ -549,7 +559,7 @@ class _Decoder:
         if self.fast and not exact and logits.dtype == mx.float32:
             choice, unsure = greedy(logits)
         else:
-            logp = process(logits, seen, block, self.processors)
+            logp = self._logp
             choice, unsure = self.sampler(logp), mx.array(False)
         near = None
         if self.threshold is not None and proposal is not None:

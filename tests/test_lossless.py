@@ -81,3 +81,35 @@ def test_draft_fills_its_trained_block(loaded, draft_for):
     out, _ = dflash_tokens(model, draft, tok, PROMPTS[0], block_size=4, max_tokens=10)
     assert out == mlx_tokens(model, tok, PROMPTS[0], 10)
     assert sizes and set(sizes) == {draft.block_size} and draft.block_size > 4
+
+
+def test_logprobs_match_mlx_lm(loaded, draft_for):
+    """Each token's log-probability row is mlx-lm's, alone (plain steps
+    pipelined, accepted blocks, auto) and batched; with a logits processor."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash_mlx import Batch
+
+    model, tok, folder = loaded("qwen3", tied=True)
+    prompt = PROMPTS[0]
+    procs = make_logits_processors(repetition_penalty=1.3, repetition_context_size=8)
+    for kw in ({}, {"logits_processors": procs}):
+        ref = list(mlx_lm.stream_generate(model, tok, prompt, max_tokens=30, **kw))
+        want = mx.stack([r.logprobs for r in ref])
+        draft = draft_for(folder, mask_token_id=runs([r.token for r in ref])[0], echo=True)
+        for bs in (1, 4, 16, "auto"):
+            _, rs = dflash_tokens(model, draft, tok, prompt, block_size=bs, max_tokens=30, **kw)
+            assert max(r.accepted for r in rs) > 1 or bs == 1
+            got = mx.concatenate([r.logprobs for r in rs])
+            assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4).item(), (kw, bs)
+    batch = Batch(model, draft, tok, 4)
+    keys = [batch.add(p, 30) for p in PROMPTS[:2]]
+    got = {k: [] for k in keys}
+    while len(batch):
+        for k, r in batch.step():
+            got[k].append(r.logprobs)
+    for k, p in zip(keys, PROMPTS[:2]):
+        want = mx.stack([r.logprobs for r in mlx_lm.stream_generate(model, tok, p, max_tokens=30)])
+        assert mx.allclose(mx.concatenate(got[k]), want, atol=1e-4).item(), p

@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 class _Job:
     args: tuple
     kwargs: dict
+    logprobs: bool = False
     out: queue.Queue = field(default_factory=queue.Queue)
     gone: threading.Event = field(default_factory=threading.Event)
 
@@ -41,11 +42,14 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
         self._thread.start()
 
-    def stream(self, prompt: List[int], max_tokens: int, **kwargs) -> Generator[GenerationResponse, None, None]:
+    def stream(self, prompt: List[int], max_tokens: int, logprobs: bool = False,
+               **kwargs) -> Generator[GenerationResponse, None, None]:
         """Like :func:`.stream_generate` on the batch's pair (``kwargs``: the
         sampling settings, ``prompt_cache`` and ``draft_cache``). Closing the
-        generator takes the generation out of the batch."""
-        job = _Job((prompt, max_tokens), kwargs)
+        generator takes the generation out of the batch. ``logprobs``: the
+        responses' log-probabilities are read (evaluated here, in float32:
+        MLX evaluates lazy arrays on the thread that made them)."""
+        job = _Job((prompt, max_tokens), kwargs, logprobs)
         with self._wake:
             self._waiting.append(job)
             self._wake.notify()
@@ -100,6 +104,9 @@ class Scheduler:
             del jobs[key]
         if jobs:
             for key, r in self.batch.step():
+                if jobs[key].logprobs:
+                    r.logprobs = r.logprobs.astype(mx.float32)
+                    mx.eval(r.logprobs)
                 jobs[key].out.put(r)
                 if r.finish_reason:
                     del jobs[key]

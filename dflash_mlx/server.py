@@ -5,9 +5,12 @@ Endpoints: ``GET /v1/models``, ``GET /health``, ``POST /v1/completions`` and
 events (``stream: true``). Every answer is produced by :func:`stream_generate`,
 so it is exactly the target's own output. Besides the OpenAI fields a response
 carries ``"dflash": {"mean_accepted", "rounds", "generation_tps", "prompt_tps"}``.
+``logprobs`` (and chat's ``top_logprobs``) report the target's own
+log-probabilities, in OpenAI's shapes.
 
-One generation runs at a time (requests wait in arrival order); a client that
-disconnects stops its generation. The caches of recent conversations (the
+Up to ``--decode-concurrency`` generations are decoded together in one batch
+(the others wait in arrival order); a client that disconnects stops its
+generation. The caches of recent conversations (the
 target's and the draft's context) are kept in a small LRU: a prompt that shares
 a cached token prefix only prefills its new tokens (reported as
 ``usage.prompt_tokens_details.cached_tokens``), with the same output as a fresh
@@ -134,6 +137,7 @@ class Request:
     stop: List[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: Optional[int] = None  # None: not asked; else how many top alternatives
 
 
 class Served:
@@ -191,7 +195,7 @@ def _number(body, name, default, kind=float, low=None, high=None):
 
 
 UNSUPPORTED = {"frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,),
-               "logit_bias": ({},), "logprobs": (False, 0), "tools": ([],), "best_of": (1,)}
+               "logit_bias": ({},), "tools": ([],), "best_of": (1,)}
 
 
 def parse_request(served: Served, body, chat: bool) -> Request:
@@ -235,7 +239,22 @@ def parse_request(served: Served, body, chat: bool) -> Request:
                        "messages" if chat else "prompt", code="context_length_exceeded")
     if served.context:
         max_tokens = min(max_tokens, served.context - len(ids))
-    return Request(chat, ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")))
+    return Request(chat, ids, max_tokens, sampling, stop, stream, bool(options.get("include_usage")),
+                   _logprobs_asked(body, chat))
+
+
+def _logprobs_asked(body, chat: bool) -> Optional[int]:
+    """Chat: ``logprobs`` true and ``top_logprobs`` (0-20); completions:
+    ``logprobs`` = the number of alternatives (0-5). None when not asked."""
+    if not chat:
+        return _number(body, "logprobs", None, int, 0, 5)
+    asked = body.get("logprobs")
+    if asked not in (None, True, False):
+        raise ApiError("'logprobs' must be true or false.", "logprobs")
+    top = _number(body, "top_logprobs", None, int, 0, 20)
+    if top is not None and not asked:
+        raise ApiError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if asked else None
 
 
 def _prompt_ids(served: Served, prompt) -> List[int]:
@@ -294,6 +313,12 @@ class Outcome:
     finish: Optional[str] = None
     last: object = None
     cached: int = 0
+    logprobs: list = field(default_factory=list)  # records of the text yielded so far, not yet sent
+
+    def sent_logprobs(self) -> list:
+        """The log-probability records not sent yet (and forget them)."""
+        out, self.logprobs = self.logprobs, []
+        return out
 
 
 def generate(served: Served, req: Request, out: Outcome, lead: bool = True):
@@ -352,25 +377,32 @@ def _generate(served: Served, req: Request, out: Outcome):
     tokens, consistent = list(req.ids), False
     if served.scheduler is not None:
         inner = served.scheduler.stream(req.ids[reused:], req.max_tokens, prompt_cache=entry[0],
-                                        draft_cache=entry[1], **req.sampling)
+                                        draft_cache=entry[1], logprobs=req.logprobs is not None,
+                                        **req.sampling)
     else:
         inner = stream_generate(
             served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
             max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
     text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
+    held = []  # log-probability records of text not yielded yet
     try:
         while (r := _next(inner)) is not None:
             # A batched row goes on until the scheduler drops it: only a
             # finished one leaves its cache at the tokens seen here.
             consistent, out.last = served.scheduler is None or r.finish_reason is not None, r
             tokens += r.tokens
+            if req.logprobs is not None:
+                held += _records(served, r, req.logprobs, len(text))
             text += r.text
             cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
             if cut >= 0:
                 out.finish = "stop"
+                out.logprobs += [h for h in held if h["offset"] < cut]
                 yield text[sent:cut]
                 return
             end = len(text) if r.finish_reason else max(sent, len(text) - hold)
+            out.logprobs += [h for h in held if h["end"] <= end]
+            held = [h for h in held if h["end"] > end]
             piece, sent = text[sent:end], end
             out.finish = r.finish_reason
             if piece or r.finish_reason:
@@ -382,6 +414,45 @@ def _generate(served: Served, req: Request, out: Outcome):
         inner.close()
         if consistent and out.last is not None:
             _keep(served, entry, tokens, len(req.ids) + out.last.committed)
+
+
+def _records(served: Served, r, top: int, start: int) -> List[dict]:
+    """One record per token of response ``r`` (an ending EOS left out):
+    its text, log-probability and ``top`` best alternatives, and where its
+    text starts and ends in the reply (``start``: the reply's length before it)."""
+    import numpy as np
+
+    tok, eos = served.tokenizer, set(served.tokenizer.eos_token_ids)
+    rows = r.logprobs
+    rows = np.array(rows if rows.dtype == mx.float32 else rows.astype(mx.float32))
+    out, at, stop = [], start, start + len(r.text)
+    for t, row in zip(r.tokens, rows):
+        if t in eos:
+            break
+        s = tok.decode([t])
+        best = np.argpartition(-row, top)[:top] if top else []
+        best = sorted(best, key=lambda i: -row[i])
+        out.append({"token": s, "logprob": float(row[t]), "offset": at, "end": min(at + len(s), stop),
+                    "top": [(tok.decode([int(i)]), float(row[i])) for i in best]})
+        at = out[-1]["end"]
+    if out:
+        out[-1]["end"] = stop
+    return out
+
+
+def _logprobs(req: Request, records: List[dict]):
+    """A choice's ``logprobs`` field, in OpenAI's shape for chat or completions."""
+    if req.logprobs is None:
+        return None
+    if not req.chat:
+        return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+                "top_logprobs": [dict(r["top"]) for r in records], "text_offset": [r["offset"] for r in records]}
+
+    def entry(s, lp):
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    return {"content": [dict(entry(r["token"], r["logprob"]), top_logprobs=[entry(*t) for t in r["top"]])
+                        for r in records], "refusal": None}
 
 
 def _next(inner):
@@ -428,13 +499,14 @@ def _stats(out: Outcome) -> dict:
             "generation_tps": round(r.generation_tps, 3), "prompt_tps": round(r.prompt_tps, 3)}
 
 
-def _choice(req: Request, text, finish, delta=False, first=False) -> dict:
+def _choice(req: Request, text, finish, delta=False, first=False, records=()) -> dict:
+    lp = _logprobs(req, list(records))
     if not req.chat:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
     if delta:
         d = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
             "finish_reason": finish}
 
 
@@ -514,7 +586,8 @@ class Handler(BaseHTTPRequestHandler):
                         log.info("%s: the client went away", rid)
                         return
                     text += piece
-                body = dict(_envelope(s, req, rid, created), choices=[_choice(req, text, out.finish)],
+                choice = _choice(req, text, out.finish, records=out.sent_logprobs())
+                body = dict(_envelope(s, req, rid, created), choices=[choice],
                             usage=_usage(req, out), dflash=_stats(out))
                 self._json(200, body)
             else:
@@ -544,8 +617,9 @@ class Handler(BaseHTTPRequestHandler):
             self._event(dict(base, choices=[_choice(req, "", None, True, True)]))
         for piece in itertools.chain([first], pieces):  # each round's text as it comes
             if piece:
-                self._event(dict(base, choices=[_choice(req, piece, None, True)]))
-        last = dict(base, choices=[_choice(req, "", out.finish, True)], dflash=_stats(out))
+                self._event(dict(base, choices=[_choice(req, piece, None, True, records=out.sent_logprobs())]))
+        last = dict(base, choices=[_choice(req, "", out.finish, True, records=out.sent_logprobs())],
+                    dflash=_stats(out))
         if req.include_usage:
             self._event(last)
             last = dict(base, choices=[], usage=_usage(req, out))

@@ -107,6 +107,42 @@ def test_stop_strings(pair, client):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_logprobs_are_the_targets(server, pair, client):
+    """Completions (logprobs=N) and chat (logprobs, top_logprobs), streamed
+    and not: each token's log-probability and best alternatives are mlx-lm's."""
+    import mlx_lm
+    import numpy as np
+
+    model, _, tok = pair[:3]
+    msgs = [{"role": "user", "content": "Write a loop"}]
+    for prompt, chat in (("def main(", False), (templated(tok, msgs), True)):
+        ref = [r for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=20)
+               if r.token not in tok.eos_token_ids]
+        want = [float(r.logprobs[r.token]) for r in ref]
+        best = [int(np.argmax(np.array(r.logprobs))) for r in ref]
+        for stream in (False, True):
+            if chat:
+                r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, stream=stream,
+                                                   logprobs=True, top_logprobs=3)
+                parts = [c.choices[0].logprobs for c in r if c.choices and c.choices[0].logprobs] if stream \
+                    else [r.choices[0].logprobs]
+                got = [e for p in parts for e in p.content]
+                assert [e.token for e in got] == [tok.decode([r.token]) for r in ref]
+                lps, tops = [e.logprob for e in got], [e.top_logprobs for e in got]
+                assert all(len(t) == 3 and t[0].token == tok.decode([b]) for t, b in zip(tops, best))
+            else:
+                r = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, stream=stream, logprobs=2)
+                parts = [c.choices[0].logprobs for c in r] if stream else [r.choices[0].logprobs]
+                lps = [x for p in parts if p for x in p.token_logprobs]
+                tops = [x for p in parts if p for x in p.top_logprobs]
+                # Best first; alternatives that decode alike (byte pieces) share a key.
+                assert all(len(t) in (1, 2) and next(iter(t)) == tok.decode([b]) for t, b in zip(tops, best))
+            assert len(lps) == len(want) and np.allclose(lps, want, atol=1e-4), (chat, stream)
+    status, err = raw(server, "POST", "/v1/chat/completions",
+                      json.dumps({"messages": msgs, "top_logprobs": 2}).encode())
+    assert status == 400 and err["error"]["param"] == "top_logprobs"
+
+
 def test_seeded_sampling_is_reproducible(pair, client):
     kw = dict(temperature=1.0, top_p=0.9, seed=7)
     want = fresh(pair, "class A", 20, **kw)
@@ -188,6 +224,7 @@ def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream, cap
     (b'{"prompt": "hi", "stop": 3}', "stop"),
     (b'{"prompt": [1, 999999]}', "prompt"),
     (b'{"prompt": "hi", "presence_penalty": 0.5}', "presence_penalty"),
+    (b'{"prompt": "hi", "logprobs": 9}', "logprobs"),
     (b'{"prompt": ' + json.dumps([5] * 5000).encode() + b"}", "prompt"),
 ])
 def test_bad_requests_get_openai_errors(server, body, param):

@@ -608,9 +608,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="DFlash draft folder or hub id (default: the embedded or published draft for --model).")
     p.add_argument("--dataset", default="heldout",
                    help="gsm8k, math500, humaneval, mbpp, mt-bench (from the hub), a JSONL file of prompts, "
-                        "heldout (the smollm2 held-out set, default) or demo (the toy pair's prompts).")
+                        "heldout (the smollm2 held-out set, default), demo (the toy pair's prompts) or "
+                        "long[:N,M,...] (long-context prompts of 256, 1024, 2048, 4096 or N, M tokens, "
+                        "made offline; one category each).")
     p.add_argument("--max-samples", type=int, default=None,
-                   help="Prompts to run (default: all of a file, 20 of a hub dataset).")
+                   help="Prompts to run (default: all of a file, 20 of a hub dataset, 2 of each long length).")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", default="0,0.7",
                    help="Sampling temperatures, comma-separated, each a full pass (0: greedy, outputs checked; default 0,0.7).")
@@ -931,13 +933,17 @@ def compare_to_greedy(results: List[dict]) -> None:
 def benchmark(args, progress: Optional[Progress] = None) -> dict:
     """Run the benchmark described by parsed ``args``; return the results:
     the shared config and one result per temperature."""
-    from .datasets import is_hub, load_samples
+    from .datasets import is_hub, load_samples, long_lengths, long_samples
 
     _check(args)
     temps = parse_temps(args.temp)
     paths = resolve(args)
-    samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
+    lengths = long_lengths(args.dataset)  # long prompts are cut with the target's tokenizer
+    if lengths is None:
+        samples = load_samples(args.dataset, args.max_samples or (20 if is_hub(args.dataset) else None))
     models = load_models(paths, is_demo(paths["model"]), args.draft_bits[0], getattr(args, "pipeline", False))
+    if lengths is not None:
+        samples = long_samples(models.tokenizer, lengths, args.max_samples or 2)
     cols = make_columns(args, models)
     block = max(c.block if isinstance(c.block, int) else c.draft.block_size for c in cols)
     template = bool(not args.no_chat_template and not models.demo and getattr(models.tokenizer, "chat_template", None))

@@ -9,7 +9,11 @@ Three sources:
   [{"role": ..., "content": ...}, ...]}`` (a chat to continue) or
   ``{"turns": ["...", "..."]}`` (user turns; the answers are generated);
 - bundled sets: ``heldout`` (alias ``smollm2``), the held-out prompts of
-  the SmolLM2 pair, and ``demo``, those of the toy demo pair.
+  the SmolLM2 pair, and ``demo``, those of the toy demo pair;
+- ``long`` (or ``long:256,4096``): long-context prompts made offline, a
+  Python standard-library module cut to 256, 1024, 2048 and 4096 of the
+  target's tokens (or the lengths given), then a question about it; each
+  length is a category.
 
 A JSONL row may carry a ``"category"`` string (the paper datasets are their
 own category); the benchmark reports speeds per category.
@@ -18,7 +22,7 @@ own category); the benchmark reports speeds per category.
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from .errors import DFlashError
 
@@ -73,6 +77,10 @@ HUB_SETS = {
     "mbpp": HubSet("google-research-datasets/mbpp", "sanitized", "test", lambda r: [r["prompt"]]),
     "mt-bench": HubSet("HuggingFaceH4/mt_bench_prompts", None, "train", lambda r: list(r["prompt"])),
 }
+LONG_LENGTHS = (256, 1024, 2048, 4096)
+LONG_MODULES = ["heapq.py", "fractions.py", "calendar.py", "textwrap.py", "argparse.py", "inspect.py"]
+LONG_QUESTION = "\n```\n\nExplain what the last function in this code does, then suggest one improvement."
+
 ALIASES = {"math-500": "math500", "mt_bench": "mt-bench", "mtbench": "mt-bench", "smollm2": "heldout"}
 
 
@@ -81,9 +89,47 @@ def is_hub(name: str) -> bool:
     return not Path(name).expanduser().is_file() and ALIASES.get(name.lower(), name.lower()) in HUB_SETS
 
 
+def long_lengths(name: str) -> Optional[List[int]]:
+    """The prompt lengths ``long`` / ``long:N,M`` asks for, else None."""
+    key, _, spec = name.lower().partition(":")
+    if key != "long" or Path(name).expanduser().is_file():
+        return None
+    if not spec:
+        return list(LONG_LENGTHS)
+    try:
+        lengths = [int(x) for x in spec.split(",")]
+    except ValueError:
+        lengths = []
+    if not lengths or min(lengths) < 16:
+        raise DatasetError(f"'{name}': give long:N[,M...] with prompt lengths of at least 16 tokens.")
+    return lengths
+
+
+def long_samples(tokenizer, lengths: Sequence[int] = LONG_LENGTHS, per: int = 2) -> List[Sample]:
+    """``per`` long-context prompts of each length (in ``tokenizer``'s
+    tokens, the question included): standard-library modules cut short,
+    offline. Category: the length."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tail = len(tokenizer.encode(LONG_QUESTION))
+    if min(lengths) < 2 * tail:
+        raise DatasetError(f"Long prompts need at least {2 * tail} tokens with this tokenizer "
+                           f"(the question alone takes {tail}); got {min(lengths)}.")
+    samples = []
+    for n in lengths:
+        for name in (LONG_MODULES * per)[:per]:
+            head = f"Here is a Python module ({name}):\n```python\n"
+            ids = tokenizer.encode(head + (stdlib / name).read_text())
+            code = tokenizer.decode(ids[: n - tail])  # re-encoded, within a token or two of n
+            samples.append(Sample(f"{name[:-3]}@{n}", [code + LONG_QUESTION], category=f"{n} tok"))
+    return samples
+
+
 def load_samples(name: str, limit: Optional[int] = None) -> List[Sample]:
     """The samples of a dataset: a paper dataset name, a bundled set
-    (``heldout``, ``demo``), or the path of a JSONL file; at most ``limit``."""
+    (``heldout``, ``demo``), or the path of a JSONL file; at most ``limit``.
+    (``long`` needs the target's tokenizer: :func:`long_samples`.)"""
     key = ALIASES.get(name.lower(), name.lower())
     path = Path(name).expanduser()
     if path.is_file():
@@ -99,7 +145,7 @@ def load_samples(name: str, limit: Optional[int] = None) -> List[Sample]:
         samples = fetch(key, limit)
     else:
         raise DatasetError(
-            f"Unknown dataset '{name}': give a JSONL file, {', '.join(BUNDLED)}, or one of "
+            f"Unknown dataset '{name}': give a JSONL file, {', '.join(BUNDLED)}, long[:N,...], or one of "
             f"{', '.join(HUB_SETS)}."
         )
     return samples[:limit] if limit else samples

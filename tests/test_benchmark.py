@@ -275,6 +275,22 @@ def test_heldout_dataset():
     assert [x.id for x in load_samples("SmolLM2", 5)] == [x.id for x in samples[:5]]
 
 
+def test_long_prompts_by_length(pair, tmp_path):
+    """``long:N,M``: prompts of N and M of the target's tokens, a category
+    each, measured side by side like any other set; a bad spec is one line."""
+    out = tmp_path / "r.json"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = bm.main(_args(pair, out, "--dataset", "long:140,300", "--max-samples", "1", "--max-tokens", "8",
+                             "--no-chat-template", "--profile", "off"))
+    assert code == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert [p["category"] for p in r["prompts"]] == ["140 tok", "300 tok"]
+    assert [abs(p["prompt_tokens"] - n) <= 3 for p, n in zip(r["prompts"], (140, 300))] == [True, True]
+    assert set(r["categories"]) == {"140 tok", "300 tok", "all"}
+    assert bm.main(_args(pair, out, "--dataset", "long:many")) == 1
+    assert bm.main(_args(pair, out, "--dataset", "long:20")) == 1
+
+
 def test_missing_embedded_draft_is_one_line(tmp_path, monkeypatch, capsys):
     missing = tmp_path / "draft"
     monkeypatch.setitem(EMBEDDED, "smollm2", str(missing))

@@ -22,6 +22,7 @@ import collections
 import itertools
 import json
 import logging
+import re
 import select
 import socket
 import sys
@@ -77,12 +78,18 @@ class FifoLock:
 
 class PromptCache:
     """(target cache, draft cache or None) pairs keyed by the tokens they hold,
-    the least recently used dropped first."""
+    at most ``size`` of them and ``max_bytes`` in all (None: no bound), the
+    least recently used dropped first."""
 
-    def __init__(self, size: int):
-        self.size = size
+    def __init__(self, size: int, max_bytes: Optional[int] = None):
+        self.size, self.max_bytes = size, max_bytes
         self.entries = collections.OrderedDict()
+        self.sizes = {}  # key -> bytes held
         self.lock = threading.Lock()  # batched requests take and put concurrently
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
 
     def take(self, ids: List[int]):
         """(cache, reused) for ``ids``: the entry sharing the longest prefix,
@@ -101,6 +108,7 @@ class PromptCache:
         if best is None:
             return None, 0
         entry = self.entries.pop(best)
+        self.sizes.pop(best)
         if len(best) > best_n:
             trim_prompt_cache(entry[0], len(best) - best_n)
             if entry[1] is not None:
@@ -108,13 +116,31 @@ class PromptCache:
         return entry, best_n
 
     def put(self, key: tuple, entry: tuple) -> None:
-        if self.size <= 0 or not key:
+        n = _nbytes(entry)
+        if self.size <= 0 or not key or (self.max_bytes is not None and n > self.max_bytes):
             return
         with self.lock:
-            self.entries[key] = entry
+            self.entries[key], self.sizes[key] = entry, n
             self.entries.move_to_end(key)
-            while len(self.entries) > self.size:
-                self.entries.popitem(last=False)
+            while len(self.entries) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+                self.sizes.pop(self.entries.popitem(last=False)[0])
+
+
+def _nbytes(entry: tuple) -> int:
+    """Bytes held by a (target cache, draft cache or None) entry."""
+    cache, dcache = entry
+    layers = list(cache) + (list(dcache.cache) if dcache is not None else [])
+    n = sum(c.nbytes for c in layers)
+    pending = dcache.pending if dcache is not None else None
+    return n + (pending.nbytes if pending is not None else 0)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"2GB"``, ``"500M"``, ``"1.5G"`` or a plain number."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMG]?)B?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB, 1000000)")
+    return int(float(m.group(1)) * 1000 ** " KMG".index(m.group(2).upper() or " "))
 
 
 def _common(a, b) -> int:
@@ -145,13 +171,13 @@ class Served:
 
     def __init__(self, model, draft, tokenizer, model_id, block_size="auto", temp=0.0, top_p=0.0,
                  top_k=0, min_p=0.0, max_tokens=512, chat_template_args=None, prompt_cache_size=4,
-                 concurrency=4):
+                 concurrency=4, prompt_cache_bytes=None):
         self.model, self.draft, self.tokenizer, self.model_id = model, draft, tokenizer, model_id
         self.block_size = block_size
         self.defaults = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=None)
         self.max_tokens = max_tokens
         self.chat_template_args = chat_template_args or {}
-        self.cache = PromptCache(prompt_cache_size)
+        self.cache = PromptCache(prompt_cache_size, prompt_cache_bytes)
         self.lock = FifoLock()
         self.context = _context_length(model)
         self.vocab = Target(model).vocab_rows
@@ -663,6 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
     p.add_argument("--prompt-cache-size", type=int, default=4, help="Conversations whose cache is kept.")
+    p.add_argument("--prompt-cache-bytes", type=parse_size, default=None,
+                   help="The most memory those caches may hold, e.g. 2GB (default: no bound).")
     p.add_argument("--decode-concurrency", type=int, default=4,
                    help="Requests decoded together in one batch (1: one at a time).")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -687,7 +715,7 @@ def _run(args) -> int:
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
-                    args.decode_concurrency)
+                    args.decode_concurrency, args.prompt_cache_bytes)
     if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
         follow(served)
         return 0

@@ -285,6 +285,38 @@ def test_cached_entries_hold_their_keys(server):
     assert entries and all(c[0].offset == len(k) and d.size == len(k) for k, (c, d) in entries.items())
 
 
+def test_prompt_cache_bounded_by_bytes(pair):
+    """--prompt-cache-bytes: the least recently used entries go until the
+    rest fit; an entry larger than the bound is not kept."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash_mlx import DraftCache
+    from dflash_mlx.server import PromptCache, _nbytes, build_parser, parse_size
+
+    model, draft, tok = pair[:3]
+
+    def entry(text):
+        cache, dcache = make_prompt_cache(model), DraftCache(draft)
+        list(stream_generate(model, draft, tok, text, block_size=BLOCK, max_tokens=3, prompt_cache=cache,
+                             draft_cache=dcache))
+        return cache, dcache
+
+    entries = {k: entry(k) for k in ("import os", "def f(", "while x:")}
+    one = _nbytes(entries["import os"])
+    assert one > 0
+    pc = PromptCache(10, max_bytes=int(2.5 * one))
+    for i, (k, e) in enumerate(entries.items()):
+        pc.put((i,), e)
+    assert list(pc.entries) == [(1,), (2,)] and pc.nbytes <= 2.5 * one
+    small = PromptCache(10, max_bytes=one // 2)
+    small.put((0,), entries["def f("])
+    assert not small.entries
+    assert parse_size("2GB") == 2 * 10**9 and parse_size("1.5m") == 1_500_000 and parse_size("4096") == 4096
+    assert build_parser().parse_args(["--prompt-cache-bytes", "500MB"]).prompt_cache_bytes == 500 * 10**6
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prompt-cache-bytes", "lots"])
+
+
 def test_chat_command_through_stdin(pair):
     import re
 

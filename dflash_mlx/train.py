@@ -115,6 +115,7 @@ class TrainArgs:
     draft_vocab: int = 0  # propose from the K most frequent target tokens (0: all)
     cache_features: bool = True  # target features computed once, kept in the output folder
     target_init: bool = False  # draft layers start as copies of the target's last layers
+    context_window: Optional[int] = None  # the draft attends to at most this many past positions
 
 
 def default_gamma(block_size: int) -> float:
@@ -179,6 +180,8 @@ def draft_config(model, tokenizer, a: TrainArgs) -> DFlashConfig:
         rope_scaling=ma.get("rope_scaling") if isinstance(ma.get("rope_scaling"), dict) else None,
         max_position_embeddings=ma.get("max_position_embeddings") or 40960,
         block_size=a.block_size,
+        layer_types=["sliding_attention"] * a.depth if a.context_window else None,
+        sliding_window=a.context_window,
     )
 
 
@@ -590,6 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="Propose from the K most frequent target tokens of the data only: a "
                         "K-row LM head makes training and drafting cheaper (0: the whole vocabulary).")
+    p.add_argument("--context-window", type=int, default=None,
+                   help="The draft attends to at most this many past positions (a sliding window in its "
+                        "config): past --seq-len it never sees farther back than it was trained to.")
     p.add_argument("--target-init", action="store_true",
                    help="Start each draft layer as a copy of one of the target's last layers.")
     p.add_argument("--no-feature-cache", action="store_true",
@@ -626,6 +632,8 @@ def _run(args) -> int:
     for name in ("block_size", "depth", "seq_len", "anchors", "batch_size"):
         if getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be positive.")
+    if args.context_window is not None and args.context_window < 1:
+        raise TrainError("--context-window must be positive.")
     if args.draft_vocab < 0:
         raise TrainError("--draft-vocab must be positive (or 0: the whole vocabulary).")
     a = TrainArgs(
@@ -635,6 +643,7 @@ def _run(args) -> int:
         gamma=args.gamma, seed=args.seed, checkpoint_every=args.checkpoint_every, init=args.init,
         decode_anchors=args.decode_anchors, draft_vocab=args.draft_vocab,
         cache_features=not args.no_feature_cache, target_init=args.target_init,
+        context_window=args.context_window,
     )
     records = read_records(args.data)
     model, tokenizer = load(args.model)

@@ -213,6 +213,24 @@ def test_init_starts_from_a_draft(tiny, data, tmp_path, capsys):
     assert err.startswith("error: --init draft") and "num_hidden_layers" in err and "\n" not in err
 
 
+def test_context_window_is_saved_and_lossless(tiny, data, tmp_path):
+    """--context-window: the saved draft's layers slide over that many past
+    positions (fewer than the prompt here), and it decodes losslessly."""
+    _, model, tok = tiny
+    seqs = sequences(tok, read_records(str(data)), 48)
+    a = TrainArgs(block_size=8, depth=2, seq_len=48, anchors=4, batch_size=2, steps=2, checkpoint_every=0,
+                  context_window=12)
+    train(model, tok, seqs, str(tmp_path / "d"), a)
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 12
+    draft = load_draft(str(tmp_path / "d"))
+    prompt = tok.decode(seqs[0].tokens[:40])
+    want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=30)]
+    for bs in (1, 8):
+        got = [t for r in stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=30) for t in r.tokens]
+        assert got == want, bs
+
+
 def test_cli_trains_resumes_and_reports_tau(tiny, data, tmp_path, capsys):
     folder, _, _ = tiny
     out = tmp_path / "draft"

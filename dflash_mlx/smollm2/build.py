@@ -30,7 +30,7 @@ POOL = 6000
 # The draft's shape and training settings (see STAGES.md for what they gave).
 TRAIN = [
     "--block-size", "16", "--depth", "3", "--target-layer-ids", "1,8,15,22,29", "--target-init",
-    "--draft-vocab", "8192", "--seq-len", "384", "--anchors", "32", "--batch-size", "4",
+    "--draft-vocab", "8192", "--seq-len", "384", "--context-window", "384", "--anchors", "32", "--batch-size", "4",
     "--regen-tokens", "256", "--regen-batch", "64", "--eval-prompts", "0",
 ]
 

@@ -612,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "long[:N,M,...] (long-context prompts of 256, 1024, 2048, 4096 or N, M tokens, "
                         "made offline; one category each).")
     p.add_argument("--max-samples", type=int, default=None,
-                   help="Prompts to run (default: all of a file, 20 of a hub dataset, 2 of each long length).")
+                   help="Prompts to run (default: all of a file, 20 of a hub dataset); for long, prompts of each "
+                        "length (default 2, at most 6).")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", default="0,0.7",
                    help="Sampling temperatures, comma-separated, each a full pass (0: greedy, outputs checked; default 0,0.7).")

@@ -56,7 +56,7 @@ def _run(args) -> int:
         text = line.strip()
         if text == "/reset":
             messages = list(start)
-            served.cache.entries.clear()
+            served.cache.clear()
             print("(conversation reset)", flush=True)
             continue
         if not text:

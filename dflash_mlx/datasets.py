@@ -13,7 +13,7 @@ Three sources:
 - ``long`` (or ``long:256,4096``): long-context prompts made offline, a
   Python standard-library module cut to 256, 1024, 2048 and 4096 of the
   target's tokens (or the lengths given), then a question about it; each
-  length is a category.
+  length is a category. (The modules' text follows the Python version.)
 
 A JSONL row may carry a ``"category"`` string (the paper datasets are their
 own category); the benchmark reports speeds per category.
@@ -112,15 +112,27 @@ def long_samples(tokenizer, lengths: Sequence[int] = LONG_LENGTHS, per: int = 2)
     import sysconfig
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    tail = len(tokenizer.encode(LONG_QUESTION))
+
+    def encode(text):
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    tail = len(encode(LONG_QUESTION))
     if min(lengths) < 2 * tail:
         raise DatasetError(f"Long prompts need at least {2 * tail} tokens with this tokenizer "
                            f"(the question alone takes {tail}); got {min(lengths)}.")
+    if per > len(LONG_MODULES):
+        raise DatasetError(f"At most {len(LONG_MODULES)} long prompts of each length; asked for {per}.")
+    try:
+        texts = {name: (stdlib / name).read_text() for name in LONG_MODULES[:per]}
+    except OSError as e:
+        raise DatasetError(f"Long prompts are cut from the Python standard library, not readable here: {e}") from None
     samples = []
     for n in lengths:
-        for name in (LONG_MODULES * per)[:per]:
-            head = f"Here is a Python module ({name}):\n```python\n"
-            ids = tokenizer.encode(head + (stdlib / name).read_text())
+        for name, text in texts.items():
+            ids = encode(f"Here is a Python module ({name}):\n```python\n{text}")
+            if len(ids) < n - tail:
+                raise DatasetError(f"{name} has only {len(ids)} tokens: long prompts of up to "
+                                   f"{len(ids) + tail} tokens with this tokenizer; asked for {n}.")
             code = tokenizer.decode(ids[: n - tail])  # re-encoded, within a token or two of n
             samples.append(Sample(f"{name[:-3]}@{n}", [code + LONG_QUESTION], category=f"{n} tok"))
     return samples

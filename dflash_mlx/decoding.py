@@ -51,7 +51,7 @@ class GenerationResponse:
             the output is then not exactly the target's.
         logprobs: The target's log-probabilities [len(tokens), V] of each
             token's position (after logits processors, before temperature
-            and filters, as mlx-lm reports them); lazy: free unless read.
+            and filters, as mlx-lm reports them).
     """
 
     text: str
@@ -411,8 +411,8 @@ class _Decoder:
         self.pipelined = (not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
-        self.logprobs = None  # of the tokens last committed, lazily [k, V]
-        self._logp = None  # of the block last verified
+        self.logprobs = None  # of the tokens last committed [k, V]
+        self._verified = None  # (logits, history, block) of the block last verified
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -508,7 +508,11 @@ class _Decoder:
         self.rounds += 1
         self.committed += a + 1
         self.verified = verified
-        self.logprobs = self._logp[: a + 1]
+        logits, seen, block = self._verified
+        # Computed in the background from the k kept rows only: a response
+        # holds [k, V], not the verified block's logits.
+        self.logprobs = process(logits[: a + 1], seen, block[: a + 1], self.processors)
+        mx.async_eval(self.logprobs)
         return out[: a + 1]
 
     def _plain(self, anchor: mx.array, more: bool) -> List[int]:
@@ -548,9 +552,9 @@ class _Decoder:
         target's own choices, or with ``q`` (the distributions the drafts were
         sampled from) the p/q rule's tokens."""
         seen = mx.array(history[:-1]) if self.processors else None
-        self._logp = process(logits, seen, block, self.processors)  # lazy: built, run if read
+        self._verified = logits, seen, block
         if q is not None and proposal is not None:
-            p = self.dist(self._logp)
+            p = self.dist(process(logits, seen, block, self.processors))
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, self.keys[1](), near)
             out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
@@ -559,7 +563,7 @@ class _Decoder:
         if self.fast and not exact and logits.dtype == mx.float32:
             choice, unsure = greedy(logits)
         else:
-            logp = self._logp
+            logp = process(logits, seen, block, self.processors)
             choice, unsure = self.sampler(logp), mx.array(False)
         near = None
         if self.threshold is not None and proposal is not None:

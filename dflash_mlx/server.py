@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from decimal import Decimal
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import List, Optional
 
@@ -91,6 +92,11 @@ class PromptCache:
     def nbytes(self) -> int:
         return sum(self.sizes.values())
 
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.sizes.clear()
+
     def take(self, ids: List[int]):
         """(cache, reused) for ``ids``: the entry sharing the longest prefix,
         removed and cut to at most ``len(ids) - 1`` tokens, or (None, 0)."""
@@ -140,7 +146,7 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMG]?)B?\s*", text, re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 2GB, 500MB, 1000000)")
-    return int(float(m.group(1)) * 1000 ** " KMG".index(m.group(2).upper() or " "))
+    return int(Decimal(m.group(1)) * 1000 ** " KMG".index(m.group(2).upper() or " "))
 
 
 def _common(a, b) -> int:
@@ -273,12 +279,12 @@ def _logprobs_asked(body, chat: bool) -> Optional[int]:
     """Chat: ``logprobs`` true and ``top_logprobs`` (0-20); completions:
     ``logprobs`` = the number of alternatives (0-5). None when not asked."""
     if not chat:
-        return _number(body, "logprobs", None, int, 0, 5)
+        return None if body.get("logprobs") is False else _number(body, "logprobs", None, int, 0, 5)
     asked = body.get("logprobs")
     if asked not in (None, True, False):
         raise ApiError("'logprobs' must be true or false.", "logprobs")
     top = _number(body, "top_logprobs", None, int, 0, 20)
-    if top is not None and not asked:
+    if top and not asked:
         raise ApiError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
     return (top or 0) if asked else None
 
@@ -451,18 +457,16 @@ def _records(served: Served, r, top: int, start: int) -> List[dict]:
     tok, eos = served.tokenizer, set(served.tokenizer.eos_token_ids)
     rows = r.logprobs
     rows = np.array(rows if rows.dtype == mx.float32 else rows.astype(mx.float32))
+    tokens = [t for t in r.tokens if t not in eos]
     out, at, stop = [], start, start + len(r.text)
-    for t, row in zip(r.tokens, rows):
-        if t in eos:
-            break
-        s = tok.decode([t])
-        best = np.argpartition(-row, top)[:top] if top else []
-        best = sorted(best, key=lambda i: -row[i])
-        out.append({"token": s, "logprob": float(row[t]), "offset": at, "end": min(at + len(s), stop),
-                    "top": [(tok.decode([int(i)]), float(row[i])) for i in best]})
+    for i, (t, row) in enumerate(zip(tokens, rows)):
+        # Where the round's text so far ends (decoding tokens together keeps
+        # the spaces and multi-byte characters that single tokens lose).
+        end = stop if i == len(tokens) - 1 else min(start + len(tok.decode(tokens[: i + 1])), stop)
+        best = sorted(np.argpartition(-row, top)[:top] if top else [], key=lambda j: -row[j])
+        out.append({"token": tok.decode([t]), "logprob": float(row[t]), "offset": at, "end": max(end, at),
+                    "top": [(tok.decode([int(j)]), float(row[j])) for j in best]})
         at = out[-1]["end"]
-    if out:
-        out[-1]["end"] = stop
     return out
 
 

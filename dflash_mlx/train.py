@@ -285,8 +285,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     target = Target(model)
     model.freeze()
     src = load_draft(a.init) if a.init else None
-    if src is not None and a.mask_token_id is None:
-        a = replace(a, mask_token_id=src.config.mask_token_id)
+    if src is not None:
+        a = _inherit(a, src.config)
     cfg = draft_config(model, tokenizer, a)
     saved = Path(out) / "config.json"
     if src is not None:
@@ -424,6 +424,15 @@ def _from_target(draft: DFlashDraft, target: Target, layers: bool) -> None:
                                  if k in have and have[k].shape == v.shape]))
 
 
+def _inherit(a: TrainArgs, src: DFlashConfig) -> TrainArgs:
+    """Settings an --init draft fixes unless given: its mask token and window."""
+    if a.mask_token_id is None:
+        a = replace(a, mask_token_id=src.mask_token_id)
+    if a.context_window is None and src.sliding_window and all(map(src.is_sliding, range(src.num_hidden_layers))):
+        a = replace(a, context_window=src.sliding_window)
+    return a
+
+
 def _check_init(have: DFlashConfig, want: DFlashConfig, path: str) -> None:
     fields = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "head_dim")
@@ -515,8 +524,8 @@ def evaluate(model, draft, tokenizer, prompts: List[str], block_size: int, max_t
 def _validate(model, tokenizer, a: TrainArgs) -> None:
     """Refuse options that do not fit the target before any long work."""
     src = load_draft(a.init).config if a.init else None
-    if src is not None and a.mask_token_id is None:
-        a = replace(a, mask_token_id=src.mask_token_id)
+    if src is not None:
+        a = _inherit(a, src)
     cfg = draft_config(model, tokenizer, a)
     if src is not None:
         _check_init(src, cfg, a.init)

@@ -141,6 +141,10 @@ def test_logprobs_are_the_targets(server, pair, client):
     status, err = raw(server, "POST", "/v1/chat/completions",
                       json.dumps({"messages": msgs, "top_logprobs": 2}).encode())
     assert status == 400 and err["error"]["param"] == "top_logprobs"
+    for path, body in (("/v1/completions", {"prompt": "hi", "logprobs": False}),
+                       ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 0})):
+        status, r = raw(server, "POST", path, json.dumps(dict(body, max_tokens=2)).encode())
+        assert status == 200 and r["choices"][0]["logprobs"] is None  # neutral values
 
 
 def test_seeded_sampling_is_reproducible(pair, client):
@@ -193,7 +197,7 @@ def test_three_concurrent_clients(server, pair, client):
 def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream, caplog):
     caplog.set_level(logging.INFO, logger="dflash_mlx.scheduler")
     srv, served = server
-    served.cache.entries.clear()
+    served.cache.clear()
     body = json.dumps({"prompt": "print(", "max_tokens": 4000, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", srv.server_address[1]))
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -223,6 +223,8 @@ def test_context_window_is_saved_and_lossless(tiny, data, tmp_path):
     train(model, tok, seqs, str(tmp_path / "d"), a)
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 12
+    train(model, tok, seqs, str(tmp_path / "tuned"), replace(a, context_window=None, init=str(tmp_path / "d")))
+    assert json.loads((tmp_path / "tuned" / "config.json").read_text())["sliding_window"] == 12  # inherited
     draft = load_draft(str(tmp_path / "d"))
     prompt = tok.decode(seqs[0].tokens[:40])
     want = [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=30)]

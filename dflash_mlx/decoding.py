@@ -333,7 +333,7 @@ def stream_generate(
                 c = costs or cached_costs(target, draft)
                 # The cost model times one draft pass.
                 c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
-                dec.policy = Policy(c, top)
+                dec.policy = Policy(c, top, plain=1.0 if dec.pipelined else None)
                 if seed is None:  # a seeded run draws per round: its rounds must repeat
                     dec.policy.recall(draft)
         tic = time.perf_counter()

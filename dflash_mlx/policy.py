@@ -23,18 +23,22 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-VERSION = 1  # of the measurement; part of the cache key
+VERSION = 2  # of the measurement; part of the cache key
 LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
 
 
 @dataclass
 class Costs:
-    """Times of a round's passes in plain decode steps.
+    """Times of a round's passes in plain decode steps, as the decoding loop
+    runs them (pipelined: the next step is queued before this one's token is
+    read, so a step costs a little less than a synchronised forward).
 
     Args:
         draft: One draft pass over its trained block, confidences included.
         verify: The target forward (with its token choice and rollback) over
-            L tokens, by L; 1 is a plain step. Other lengths are interpolated.
+            L tokens, by L; 1 is a synchronised single-token forward (a
+            plain step that cannot be pipelined). Other lengths are
+            interpolated.
     """
 
     draft: float
@@ -79,7 +83,7 @@ class Policy:
 
     Before the draft pass, :meth:`drafts` says whether to run it: yes while
     recent drafting rounds committed more tokens per unit of cost than plain
-    steps (1 / verify(1)); otherwise take plain steps and probe again after
+    steps (1 / ``plain``); otherwise take plain steps and probe again after
     1, 2, 4, ... of them. After the pass, :meth:`length` picks the L that
     maximises E(L) / (draft + verify(L)), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
@@ -101,6 +105,8 @@ class Policy:
         max_wait: The longest run of plain steps between probes.
         probe_limit: The most tokens a probe verifies.
         bins: Confidence bins of the acceptance statistics.
+        plain: The cost of a plain step: 1 (the unit) where the loop
+            pipelines them, else (None) ``costs.verify_at(1)``.
     """
 
     costs: Costs
@@ -111,6 +117,7 @@ class Policy:
     max_wait: int = 128
     probe_limit: int = 4
     bins: int = 10
+    plain: Optional[float] = None
     made: float = field(init=False, default=0.0)  # tokens of recent drafting rounds
     spent: float = field(init=False, default=0.0)  # and their cost, in plain steps
     wait: int = field(init=False, default=0)
@@ -118,6 +125,8 @@ class Policy:
     probe: bool = field(init=False, default=True)
 
     def __post_init__(self):
+        if self.plain is None:
+            self.plain = self.costs.verify_at(1)
         self._reset()
 
     def _reset(self):
@@ -189,8 +198,7 @@ class Policy:
         keep = 0.0 if self.probe else self.recent
         self.made = keep * self.made + accepted + 1
         self.spent = keep * self.spent + self.costs.draft + self.costs.verify_at(verified)
-        # Plain decoding makes 1 token per verify(1).
-        self.probe = self.made * self.costs.verify_at(1) < self.spent
+        self.probe = self.made * self.plain < self.spent  # plain steps: 1 token each
         if self.probe:
             self.wait = min(max(1, 2 * self.wait), self.max_wait)
             self.skip = self.wait
@@ -205,10 +213,11 @@ _learnt: Dict[int, dict] = {}
 # ------------------------------------------------------------ calibration
 
 
-def measure_costs(target, draft, budget: float = 1.5, reps: int = 5, width: int = 1) -> Costs:
+def measure_costs(target, draft, budget: float = 4.0, reps: int = 8, width: int = 1) -> Costs:
     """Time verify forwards of a few lengths and a draft pass on a throwaway
     cache, as a round runs them (token choice, rollback, synchronisation);
     the fastest of up to ``reps`` runs each, within about ``budget`` seconds.
+    The unit is a plain step as the loop runs them, pipelined.
 
     With ``width`` B > 1, the verify forwards run on B rows at once (batched
     caches, :mod:`.batch`) and the costs are one row's share, in units of
@@ -250,21 +259,37 @@ def measure_costs(target, draft, budget: float = 1.5, reps: int = 5, width: int 
         mx.eval(mx.argmax(logits, axis=-1), confidence(logits))
         new[0] = feats[:, -1:]
 
+    def plain(k=4):
+        # Steps as the loop runs them: each queued on the previous lazy token.
+        y = mx.ones((1,), mx.int32)
+        for _ in range(k):
+            logits, _, _ = target.forward(y, cache, ids)
+            nxt = mx.argmax(logits[-1:], axis=-1).astype(mx.int32)
+            mx.async_eval(nxt)
+            y.tolist()
+            y = nxt
+        y.tolist()
+        for c in cache:
+            c.trim(k)
+        return k
+
     ops = {n: (lambda n=n: verify(n)) for n in sorted({*(L for L in LENGTHS if L <= bs), bs})}
     ops["draft"] = propose
+    if width == 1:
+        ops["plain"] = plain
     best = {}
     start = time.perf_counter()
     for r in range(reps + 1):  # the first round warms up
         for k, op in ops.items():
             tic = time.perf_counter()
-            op()
+            steps = op() or 1
             if r:
-                best[k] = min(best.get(k, math.inf), time.perf_counter() - tic)
+                best[k] = min(best.get(k, math.inf), (time.perf_counter() - tic) / steps)
         if r >= 2 and time.perf_counter() - start > budget:
             break
-    unit = best[1]
+    unit = min(best[1], best.get("plain", math.inf))
     verify_costs, last = {}, 0.0
-    for n in sorted(k for k in best if k != "draft"):
+    for n in sorted(k for k in best if isinstance(k, int)):
         last = max(last, best[n] / unit)  # timing noise must not make longer cheaper
         verify_costs[n] = last
     return Costs(best["draft"] / (unit / width), verify_costs)

@@ -169,7 +169,7 @@ class Batch:
 
     def calibrate(self, width: int) -> None:
         """Measure (or read) the costs of batches up to ``width`` rows now:
-        the first time on a machine that takes a second or two a width."""
+        the first time on a machine that takes a few seconds a width."""
         if self.bs == "auto":
             for w in range(1, width + 1):
                 self._share(w)

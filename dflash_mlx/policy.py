@@ -225,7 +225,7 @@ def measure_costs(target, draft, budget: float = 4.0, reps: int = 8, width: int 
     verify(L) = t_B(L) / t_B(1)."""
     from mlx_lm.models.cache import BatchKVCache
 
-    from .rollback import rollback
+    from .rollback import rollback, trims_exactly
     from .sampling import greedy
 
     ids = draft.config.target_layer_ids
@@ -275,7 +275,7 @@ def measure_costs(target, draft, budget: float = 4.0, reps: int = 8, width: int 
 
     ops = {n: (lambda n=n: verify(n)) for n in sorted({*(L for L in LENGTHS if L <= bs), bs})}
     ops["draft"] = propose
-    if width == 1:
+    if width == 1 and all(trims_exactly(c) for c in cache):  # as the loop pipelines
         ops["plain"] = plain
     best = {}
     start = time.perf_counter()
@@ -325,7 +325,7 @@ def cached_costs(target, draft, root: Optional[Path] = None, width: int = 1) -> 
     """The cost model of this pair on this machine (for ``width`` rows
     decoded together, see :func:`measure_costs`): read from
     ``<root>/costs/`` (default :func:`dflash_mlx.gguf.cache_root`), or
-    measured (a second or two) and saved. An unreadable file is measured
+    measured (a few seconds) and saved. An unreadable file is measured
     again, with a warning."""
     from . import distributed
     from .gguf import cache_root

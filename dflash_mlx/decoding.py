@@ -413,6 +413,7 @@ class _Decoder:
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
+        self._unseen = None  # (confidences, length) of a round verified blind
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -445,6 +446,9 @@ class _Decoder:
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
         out, a = self._choose(logits, history, block, proposal, q=q)
+        if self._unseen is not None:  # verified blind: would looking have cut it?
+            self.policy.saw(self._unseen[0].tolist(), self._unseen[1])
+            self._unseen = None
         rollback(self.cache, tape, a + 1, block.shape[0])
         out = self.commit(out, a, f, block.shape[0], drafted)
         clock.lap("accept", [c.state for c in self.cache])
@@ -460,9 +464,14 @@ class _Decoder:
         policy may cut them, to none) and, for sampled proposals, the
         distributions they were drawn from: (proposal or None, q or None)."""
         guess = self.guess(anchor, length)
-        if self.policy is not None:
+        if self.policy is not None and self.policy.looks():
             mx.eval(guess[0], guess[2])
             length = self.policy.length(guess[2].tolist(), length)
+        else:
+            # The draft pass runs while the verify pass is being built.
+            mx.async_eval([x for x in guess if x is not None])
+            if self.policy is not None:
+                self._unseen = guess[2], length
         return self.cut(guess, length)
 
     def guess(self, anchor: mx.array, length: int):

@@ -88,7 +88,9 @@ class Policy:
     maximises E(L) / (draft + verify(L)), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
     confidence were accepted in this stretch of drafting, starting from the
-    confidence itself. Each probe starts a fresh stretch and verifies at
+    confidence itself; reading the confidences waits for the draft pass, so
+    after a round that chose the whole block the next one is verified whole
+    without waiting (:meth:`looks`). Each probe starts a fresh stretch and verifies at
     most ``probe_limit`` tokens: a confident but wrong draft would make every
     probe a long, wasted verify. What the policy learnt carries over from one
     generation to the next with the same draft (:meth:`recall`,
@@ -123,6 +125,7 @@ class Policy:
     wait: int = field(init=False, default=0)
     skip: int = field(init=False, default=0)  # plain steps left before a probe
     probe: bool = field(init=False, default=True)
+    blind: bool = field(init=False, default=False)  # see :meth:`looks`
 
     def __post_init__(self):
         if self.plain is None:
@@ -143,12 +146,21 @@ class Policy:
         """Keep what this generation learnt for the next one with ``draft``."""
         if id(draft) not in _learnt:
             weakref.finalize(draft, _learnt.pop, id(draft), None)
-        _learnt[id(draft)] = {k: getattr(self, k) for k in ("wait", "skip", "probe", "made", "spent", "hits", "trials")}
+        _learnt[id(draft)] = {k: getattr(self, k) for k in ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials")}
 
     def drafts(self, after: int = 0) -> bool:
         """Whether this round (or, with ``after`` plain steps taken first, a
         later one) runs the draft, else it is a plain step."""
         return self.skip <= after
+
+    def looks(self) -> bool:
+        """Whether this drafting round reads the confidences before choosing
+        its length. Reading them waits for the draft pass (a host
+        synchronisation, ~0.5 plain steps on a small target); after a round
+        that chose the whole block the next one verifies the whole block
+        without looking, and its confidences, read after the verify, say
+        whether looking would have chosen less (:meth:`length` again)."""
+        return self.probe or not self.blind
 
     def chance(self, c: float) -> float:
         """The estimated acceptance chance of a guess of confidence ``c``."""
@@ -164,6 +176,7 @@ class Policy:
             score = e / (draft + self.costs.verify_at(n))
             if score > top:
                 best, top = n, score
+        self.blind = best == limit and not self.probe
         return self.chose(conf, best)
 
     def expect(self, conf: List[float], limit: int) -> List[float]:
@@ -177,6 +190,13 @@ class Policy:
             reach *= self.chance(c)
             gain.append(gain[-1] + reach)
         return gain
+
+    def saw(self, conf: List[float], n: int) -> None:
+        """The confidences of a round verified blind at ``n`` tokens, read
+        after the verify: the next round looks unless looking would have
+        chosen ``n`` too."""
+        self.length(conf, n)
+        self.chose(conf, n)
 
     def chose(self, conf: List[float], n: int) -> int:
         """Record that ``n`` tokens are verified after this draft pass; ``n``."""
@@ -199,6 +219,7 @@ class Policy:
         self.made = keep * self.made + accepted + 1
         self.spent = keep * self.spent + self.costs.draft + self.costs.verify_at(verified)
         self.probe = self.made * self.plain < self.spent  # plain steps: 1 token each
+        self.blind &= not self.probe
         if self.probe:
             self.wait = min(max(1, 2 * self.wait), self.max_wait)
             self.skip = self.wait

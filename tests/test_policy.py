@@ -293,3 +293,29 @@ def test_drafting_is_weighed_against_the_plain_step_the_loop_takes():
         p.update(p.chose([0.5], 2), 1, True)  # 2 tokens for 0.3 + 2.3
     assert not pipelined.drafts() and synced.drafts()
     assert (pipelined.made, pipelined.spent) == (synced.made, synced.spent) == pytest.approx((2, 2.6))
+
+
+def test_after_a_full_block_the_next_is_verified_blind():
+    """A round that chose the whole block makes the next one verify the whole
+    block without waiting to read the confidences; once they say a shorter
+    round would have been chosen, the policy looks again."""
+    p = Policy(COSTS, 16)
+    p.update(p.length([0.95] * 15, 16), 3, True)  # the probe: 4 of 4
+    assert p.looks() and p.length([0.95] * 15, 16) == 16 and not p.looks()
+    p.update(16, 15, True)
+    assert not p.looks()
+    p.saw([0.95] * 15, 16)
+    assert not p.looks()
+    p.saw([0.01] * 15, 16)  # the draft turned unsure
+    assert p._seen == [0.01] * 15 and p.looks()
+
+
+def test_right_draft_rounds_skip_the_confidence_sync(loaded, draft_for, monkeypatch):
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, "class A:\n", 60)
+    draft = draft_for(folder, mask_token_id=ref[0], echo=True)
+    seen, looks = [], Policy.looks
+    monkeypatch.setattr(Policy, "looks", lambda self: seen.append(looks(self)) or seen[-1])
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=60, costs=COSTS)
+    assert out == ref and [v for v, _, _ in rounds] == [4, 16, 16, 16, 7]
+    assert seen == [True, True, False, False, False]  # the probe, the first full block, then blind

@@ -114,7 +114,7 @@ class Policy:
     costs: Costs
     block_size: int
     memory: float = 0.9
-    recent: float = 0.7
+    recent: float = 0.9
     prior: float = 2.0
     max_wait: int = 128
     probe_limit: int = 4

@@ -6,10 +6,13 @@ A process counts as launched when ``mlx.launch`` (or MPI) set its rank in the
 environment; otherwise nothing here touches ``mx.distributed``.
 """
 
+import ctypes
 import json
 import os
+import socket
 import sys
 import threading
+import zlib
 from contextlib import contextmanager
 from typing import Optional
 
@@ -36,7 +39,26 @@ def group() -> Optional[mx.distributed.Group]:
         else:
             g = mx.distributed.init()
             _group = g if g.size() > 1 else False
+            if _group:
+                _share_cores(g)
     return _group or None
+
+
+def _share_cores(g: mx.distributed.Group) -> None:
+    """Ranks on one machine share its cores: give each one's OpenBLAS (the
+    Linux CPU backend) its share of threads, unless OPENBLAS_NUM_THREADS is
+    set. Two local ranks running 2 BLAS threads each on 2 cores ran DFlash
+    2.1x slower than with 1 each, its draft pass 4x slower."""
+    if sys.platform != "linux" or "OPENBLAS_NUM_THREADS" in os.environ:
+        return
+    try:
+        set_threads = ctypes.CDLL(None).openblas_set_num_threads
+    except (OSError, AttributeError):  # OpenBLAS not loaded
+        return
+    host = zlib.crc32(socket.gethostname().encode()) & 0x3FFFFFFF
+    mine = mx.where(mx.arange(g.size()) == g.rank(), host, 0).astype(mx.int32)
+    local = mx.distributed.all_sum(mine, group=g).tolist().count(host)
+    set_threads(max(1, (os.cpu_count() or 1) // local))
 
 
 def rank() -> int:

@@ -229,6 +229,8 @@ class Policy:
 
 # id(draft) -> what the policy of its last generation had learnt.
 _learnt: Dict[int, dict] = {}
+# (id(model), id(draft)) -> costs measured by all ranks of a distributed run.
+_measured: Dict[tuple, Costs] = {}
 
 
 # ------------------------------------------------------------ calibration
@@ -354,10 +356,15 @@ def cached_costs(target, draft, root: Optional[Path] = None, width: int = 1) -> 
     if distributed.group() is not None:
         # Every rank measures the same number of times (the target's collectives
         # must match), then all use rank 0's costs, so they choose the same lengths.
-        costs = measure_costs(target, draft, budget=math.inf)
-        keys = sorted(costs.verify)
-        values = distributed.agree_floats([costs.draft] + [costs.verify[k] for k in keys])
-        return Costs(values[0], dict(zip(keys, values[1:])))
+        # Once per process and pair: every rank serves the same generations.
+        key = (id(target.model), id(draft))
+        if key not in _measured:
+            costs = measure_costs(target, draft, budget=math.inf)
+            keys = sorted(costs.verify)
+            values = distributed.agree_floats([costs.draft] + [costs.verify[k] for k in keys])
+            _measured[key] = Costs(values[0], dict(zip(keys, values[1:])))
+            weakref.finalize(draft, _measured.pop, key, None)
+        return _measured[key]
     key = cache_key(target, draft)
     if width > 1:
         key["width"] = width

@@ -31,6 +31,8 @@ WORKER = textwrap.dedent(
     group = distributed.group()
     rank = distributed.rank()
     out = {"rank": rank, "size": group.size() if group else 1}
+    import ctypes
+    out["blas_threads"] = ctypes.CDLL(None).openblas_get_num_threads()
 
     counts = {}
     def counting(name, fn):
@@ -123,6 +125,7 @@ def launch(args, timeout=120, env=None):
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", *args]
     env = dict(os.environ, **(env or {}))
     env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
+    env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks choose their share
     # Its own session: on a timeout the ranks are killed with mlx.launch (a
     # rank stuck in a ring collective would otherwise spin on after the test).
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -169,6 +172,8 @@ def test_sharded_dflash_matches_plain_on_both_ranks(arch, worker, tmp_path, targ
     assert r0 and r1, p.stderr[-2000:]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert (r0["size"], r1["size"]) == (2, 2)
+    # Two ranks on this machine share its cores (no OPENBLAS_NUM_THREADS set).
+    assert r0["blas_threads"] == r1["blas_threads"] == max(1, os.cpu_count() // 2)
     for key in ("dflash", "plain", "right", "right_plain", "auto", "seeded", "unseeded"):
         assert r0[key] == r1[key], key
     assert r0["dflash"] == r0["plain"] and len(r0["plain"]) == 24

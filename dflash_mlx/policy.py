@@ -90,9 +90,9 @@ class Policy:
     confidence were accepted in this stretch of drafting, starting from the
     confidence itself; reading the confidences waits for the draft pass, so
     after a round that chose the whole block the next one is verified whole
-    without waiting (:meth:`looks`). Each probe starts a fresh stretch and verifies at
-    most ``probe_limit`` tokens: a confident but wrong draft would make every
-    probe a long, wasted verify. What the policy learnt carries over from one
+    without waiting (:meth:`looks`). Each probe starts a fresh stretch and
+    verifies at most ``probe_limit`` tokens: a confident but wrong draft
+    would make every probe a long, wasted verify. What the policy learnt carries over from one
     generation to the next with the same draft (:meth:`recall`,
     :meth:`remember`): a draft found useless is not probed afresh, at a draft
     pass each, at the start of every generation.
@@ -156,7 +156,7 @@ class Policy:
     def looks(self) -> bool:
         """Whether this drafting round reads the confidences before choosing
         its length. Reading them waits for the draft pass (a host
-        synchronisation, ~0.5 plain steps on a small target); after a round
+        synchronisation before the verify can be queued); after a round
         that chose the whole block the next one verifies the whole block
         without looking, and its confidences, read after the verify, say
         whether looking would have chosen less (:meth:`length` again)."""

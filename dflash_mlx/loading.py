@@ -145,6 +145,8 @@ def _sharded(path_or_repo: str, group, pipeline: bool):
                 + (f"; it supports {ways[0]} only" if ways else "; it supports no sharding")
                 + " (run it on one process, or use a model mlx-lm can shard)."
             )
+        if not pipeline:
+            _check_splits(path, group.size(), can_pp)
         if pipeline and not (path / "model.safetensors.index.json").exists():
             # sharded_load's pipeline path needs the index of a multi-file checkpoint.
             model.model.pipeline(group)
@@ -158,6 +160,25 @@ def _sharded(path_or_repo: str, group, pipeline: bool):
         if "does not support" in str(e):
             raise UnsupportedModelError(f"mlx-lm cannot shard this model ({e}).") from None
         raise
+
+
+def _check_splits(path: Path, n: int, can_pp: bool) -> None:
+    """Refuse a tensor-parallel split that mlx-lm would make unevenly (it
+    divides head counts and widths by the ranks without checking, and the
+    first forward fails deep in attention)."""
+    config = json.loads((path / "config.json").read_text())
+    config = {**config, **config.get("text_config", {})}
+    sizes = {k: config.get(k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, int) and v % n}
+    if bad:
+        ok = [r for r in range(2, 65) if all(v % r == 0 for v in sizes.values() if isinstance(v, int))]
+        raise UnsupportedModelError(
+            f"{path.name} cannot be split evenly over {n} ranks (tensor parallel): "
+            + ", ".join(f"{k} = {v}" for k, v in bad.items())
+            + ". Launch a number of ranks that divides it"
+            + (f" ({', '.join(map(str, ok[:4]))})" if ok else "")
+            + (", or shard it as a pipeline (--pipeline)." if can_pp else ", or run it on one process.")
+        )
 
 
 def load_draft(

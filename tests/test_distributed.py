@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny import make_draft
+from tiny import make_draft, make_target
 from util import free_port, mlx_tokens, openai_client
 
 PYTHON = sys.executable
@@ -213,6 +213,18 @@ def test_generate_cli_prints_on_rank_0_only(tmp_path, target_folder):
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("Generation: 16 tokens") == 1, p.stdout
     assert p.stdout.count("Identical output: yes") == 1, p.stdout
+
+
+def test_uneven_tensor_split_is_refused_clearly(tmp_path):
+    """SmolLM2's 9 heads and 3 KV heads cannot be split over 2 ranks; mlx-lm
+    would shard them anyway and fail in the first attention."""
+    target = make_target(tmp_path / "odd", "llama", layers=2, num_attention_heads=3,
+                         num_key_value_heads=1, head_dim=16)
+    p = launch(["-m", "dflash_mlx.generate", "--model", str(target), "--prompt", "hi", "--max-tokens", "4",
+                "--block-size", "1"])
+    # (mlx.launch itself exits 0 whatever its ranks return.)
+    assert "exited with code 1" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "cannot be split evenly over 2 ranks" in p.stderr and "num_key_value_heads = 1" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])

@@ -118,7 +118,7 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
 
 
 def make_target(
-    folder: Path, arch: str, seed: int = 0, layers: int = 6, tied: bool = False
+    folder: Path, arch: str, seed: int = 0, layers: int = 6, tied: bool = False, **overrides
 ) -> Path:
     """Write a random tiny target of ``arch`` to ``folder``.
 
@@ -126,7 +126,7 @@ def make_target(
     token, which gives a draft something it can predict."""
     n_tok = write_tokenizer(folder)
     vocab = n_tok + 16  # padded rows, like Qwen's embedding table
-    config = target_config(arch, vocab, layers, tied or arch == "llama")
+    config = {**target_config(arch, vocab, layers, tied or arch == "llama"), **overrides}
     model_cls, args_cls = _get_classes(config)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))

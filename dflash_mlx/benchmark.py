@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Union
 
 from .errors import run_command
-from .report import PHASES, Progress, _f, format_summary, ratio, write_chart
+from .report import PHASES, Progress, fmt, format_summary, ratio, write_chart
 
 DEMO = Path(__file__).parent / "demo"
 DEFAULT_MODEL = "smollm2"
@@ -733,7 +733,7 @@ def run_pass(bench: Bench, samples, template: bool, progress: Progress, done: in
             ids = encode(tok, render(tok, chat, template))
             rec = bench.prompt(pid, ids, smp.category, lambda msg: progress.show(done, f"{tag} {msg}"))
             done += 1
-            progress.show(done, f"{tag} {pid}: x{_f(rec['speedup'], '{:.2f}')} tau {_f(rec['tau'], '{:.2f}')}", final=True)
+            progress.show(done, f"{tag} {pid}: x{fmt(rec['speedup'], '{:.2f}')} tau {fmt(rec['tau'], '{:.2f}')}", final=True)
             if rec["checked"] and not rec["identical"]:
                 progress.log(f"MISMATCH {pid}: outputs differ from token {rec['first_difference']}")
             chat.append({"role": "assistant", "content": rec["output"]})

@@ -92,10 +92,10 @@ class Policy:
     after a round that chose the whole block the next one is verified whole
     without waiting (:meth:`looks`). Each probe starts a fresh stretch and
     verifies at most ``probe_limit`` tokens: a confident but wrong draft
-    would make every probe a long, wasted verify. What the policy learnt carries over from one
-    generation to the next with the same draft (:meth:`recall`,
-    :meth:`remember`): a draft found useless is not probed afresh, at a draft
-    pass each, at the start of every generation.
+    would make every probe a long, wasted verify. What the policy learnt
+    carries over from one generation to the next with the same draft
+    (:meth:`recall`, :meth:`remember`): a draft found useless is not probed
+    afresh, at a draft pass each, at the start of every generation.
 
     Args:
         costs: The cost model.

@@ -44,8 +44,9 @@ class Progress:
             self.out.flush()
 
 
-def _f(x, fmt="{:.1f}", none="-"):
-    return none if x is None else fmt.format(x)
+def fmt(x, spec="{:.1f}", none="-"):
+    """``x`` formatted with ``spec``, or ``none`` when it is missing."""
+    return none if x is None else spec.format(x)
 
 
 NAMES = {"plain": "mlx-lm", "dflash": "dflash", "baseline": "mlx-lm spec"}
@@ -76,8 +77,8 @@ def format_categories(cats: Dict[str, dict]) -> List[str]:
     lines = [f"{'category':<12}{'prompts':>8}{'mlx-lm tok/s':>14}{'dflash tok/s':>14}{'speedup':>9}{'tau':>7}"]
     for k, g in cats.items():
         lines.append(
-            f"{k:<12}{g['prompts']:>8}{_f(g['plain_tps']):>14}{_f(g['dflash_tps']):>14}"
-            f"{_f(g['speedup'], '{:.2f}x'):>9}{_f(g['tau'], '{:.2f}'):>7}"
+            f"{k:<12}{g['prompts']:>8}{fmt(g['plain_tps']):>14}{fmt(g['dflash_tps']):>14}"
+            f"{fmt(g['speedup'], '{:.2f}x'):>9}{fmt(g['tau'], '{:.2f}'):>7}"
         )
     return lines
 
@@ -95,8 +96,8 @@ def format_result(r: dict, c: dict) -> str:
     for k, m in s["methods"].items():
         sp = ratio(m["decode_tps"], plain["decode_tps"])
         lines.append(
-            f"{method_name(k, c):<{w}}{_f(m['decode_tps']):>13}{_f(m['e2e_tps']):>11}"
-            f"{_f(sp, '{:.2f}x'):>9}{_f(m.get('tau'), '{:.2f}'):>7}{_f(m['peak_memory_gb'], '{:.3f}'):>9}"
+            f"{method_name(k, c):<{w}}{fmt(m['decode_tps']):>13}{fmt(m['e2e_tps']):>11}"
+            f"{fmt(sp, '{:.2f}x'):>9}{fmt(m.get('tau'), '{:.2f}'):>7}{fmt(m['peak_memory_gb'], '{:.3f}'):>9}"
         )
     check = "required" if r["temp"] == 0 else "not required at temp > 0"
     lines.append(f"identical outputs: {s['identical']}/{s['prompts']} ({check})")
@@ -109,8 +110,8 @@ def format_result(r: dict, c: dict) -> str:
         parts = [f"{k} {rt[k] * 1e3:.2f} ms ({co[k]:.2f} steps)" for k in PHASES]
         lines.append(f"round ({c['profile']} profiled run), {rt['round'] * 1e3:.2f} ms: " + ", ".join(parts))
         lines.append(
-            f"ideal speedup tau/(c_draft+c_verify) = {_f(s['ideal_speedup'], '{:.2f}x')}, "
-            f"measured {_f(s['speedup'], '{:.2f}x')}"
+            f"ideal speedup tau/(c_draft+c_verify) = {fmt(s['ideal_speedup'], '{:.2f}x')}, "
+            f"measured {fmt(s['speedup'], '{:.2f}x')}"
         )
     for k, col in s.get("columns", {}).items():
         if k != "dflash" and col["round_time_s"]:
@@ -132,7 +133,7 @@ def format_summary(result: dict) -> str:
     greedy = next((r["summary"]["speedup"] for r in res if r["temp"] == 0), None)
     lines = [
         f"temp {r['temp']:g} speedup = {r['speedup_vs_greedy']:.2f}x the greedy one "
-        f"({_f(r['summary']['speedup'], '{:.2f}x')} vs {_f(greedy, '{:.2f}x')})"
+        f"({fmt(r['summary']['speedup'], '{:.2f}x')} vs {fmt(greedy, '{:.2f}x')})"
         for r in res
         if r["speedup_vs_greedy"] is not None
     ]
@@ -161,7 +162,7 @@ def _chart_row(a, b, r: dict, c: dict) -> None:
     b.axhline(1.0, color="gray", lw=1)
     b.set_xticks(x, [p["id"] for p in recs], rotation=60, ha="right", fontsize=7)
     b.set(ylabel="decode speedup over mlx-lm",
-          title=f"Per-prompt speedup, {_temp_label(r)} (overall {_f(s['speedup'], '{:.2f}x')})")
+          title=f"Per-prompt speedup, {_temp_label(r)} (overall {fmt(s['speedup'], '{:.2f}x')})")
     b.legend()
 
 

@@ -157,20 +157,28 @@ def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch
                progress=None, on_sequence=None) -> List[Sequence]:
     """The target's greedy continuation of each prompt (up to ``max_tokens``
     tokens, an ending EOS kept), as Sequences whose targets are the generated
-    tokens. mlx-lm's continuous batching runs ``batch`` prompts at a time;
-    ``on_sequence(i, seq)`` is called as each one finishes."""
+    tokens. mlx-lm's continuous batching runs up to ``batch`` prompts at a
+    time; ``on_sequence(i, seq)`` is called as each one finishes."""
     from mlx_lm.generate import BatchGenerator
 
+    # Joining a running batch copies every layer's cache, so prompts join in
+    # waves (when half the batch is free) rather than one per finished row,
+    # shortest first so a wave's prompts pad little.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)],
-                         completion_batch_size=batch, prefill_batch_size=min(batch, 16))
+                         completion_batch_size=batch, prefill_batch_size=batch)
     out: List[Optional[Sequence]] = [None] * len(prompts)
+    index: Dict[int, int] = {}
+    made: Dict[int, List[int]] = {}
     try:
-        uids = gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
-        index = {u: i for i, u in enumerate(uids)}
-        made: Dict[int, List[int]] = {u: [] for u in uids}
         done = 0
-        while responses := gen.next_generated():
-            for r in responses:
+        while done < len(prompts):
+            if len(made) <= batch // 2 and order:
+                wave, order = order[: batch - len(made)], order[batch - len(made):]
+                uids = gen.insert([list(prompts[i]) for i in wave], [max_tokens] * len(wave))
+                index.update(zip(uids, wave))
+                made.update((u, []) for u in uids)
+            for r in gen.next_generated():
                 made[r.uid].append(r.token)
                 if r.finish_reason is None:
                     continue

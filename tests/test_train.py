@@ -143,6 +143,21 @@ def test_next_anchors_are_where_decoding_goes_next():
     assert (moved[~inside] == given[0][~inside]).all()
 
 
+def test_regenerate_is_the_targets_greedy_continuation(tiny, data):
+    """More prompts than the batch, of many lengths (so they join in waves,
+    reordered): each answer is what mlx-lm's own greedy decoding gives."""
+    _, model, tok = tiny
+    prompts = regen_prompts(tok, read_records(str(data)), 64, 16)[:3]
+    prompts = [p[:n] for p in prompts for n in (3, 9, 16)] + [prompts[0][:5]]
+    done = []
+    seqs = regenerate(model, prompts, 10, set(tok.eos_token_ids), batch=4,
+                      on_sequence=lambda i, s: done.append(i))
+    assert sorted(done) == list(range(len(prompts))) and done != sorted(done)
+    for p, s in zip(prompts, seqs):
+        want = [r.token for r in mlx_lm.stream_generate(model, tok, p, max_tokens=10)]
+        assert s.start == len(p) and s.tokens == p + want
+
+
 def test_loss_falls_and_saved_draft_is_lossless(tiny, data, tmp_path):
     folder, model, tok = tiny
     seqs = regenerate(model, regen_prompts(tok, read_records(str(data)), 64, 16), 48,

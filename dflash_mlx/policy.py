@@ -148,6 +148,12 @@ class Policy:
             weakref.finalize(draft, _learnt.pop, id(draft), None)
         _learnt[id(draft)] = {k: getattr(self, k) for k in ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials")}
 
+    @staticmethod
+    def forget(draft) -> None:
+        """Drop what generations with ``draft`` taught (e.g. after a warm-up
+        on a throwaway prompt), so the next one starts afresh."""
+        _learnt.pop(id(draft), None)
+
     def drafts(self, after: int = 0) -> bool:
         """Whether this round (or, with ``after`` plain steps taken first, a
         later one) runs the draft, else it is a plain step."""

@@ -48,6 +48,7 @@ def test_cli_streams_the_targets_greedy_text(loaded, tmp_path):
         (["--max-tokens", "-3"], "max_tokens"),
         (["--temp", "-1"], "temperature"),
         (["--top-p", "1.5"], "top_p"),
+        (["--compare", "--compare-runs", "0"], "--compare-runs must be at least 1"),
         (["--draft", "/nonexistent/draft"], "neither a local folder"),
     ],
 )
@@ -58,6 +59,16 @@ def test_cli_errors_are_one_line(args, message, target_folder, tmp_path):
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def test_compare_alternates_runs_and_checks_identity(target_folder, tmp_path):
+    folder = target_folder("qwen3")
+    draft = make_draft(tmp_path / "d", folder, echo=True)
+    r = cli("--model", str(folder), "--draft", str(draft), "--prompt", "hi", "--max-tokens", "12",
+            "--compare", "--compare-runs", "2")
+    assert r.returncode == 0, r.stderr
+    assert "speedup" in r.stdout and "(fastest of 2 runs each)" in r.stdout
+    assert "Identical output: yes" in r.stdout
 
 
 def test_known_drafts():

@@ -638,7 +638,7 @@ def _run(args) -> int:
             ids = [int(x) for x in args.target_layer_ids.split(",")]
         except ValueError:
             raise TrainError("--target-layer-ids must be comma-separated integers.") from None
-    for name in ("block_size", "depth", "seq_len", "anchors", "batch_size"):
+    for name in ("block_size", "depth", "seq_len", "anchors", "batch_size", "regen_batch"):
         if getattr(args, name) < 1:
             raise TrainError(f"--{name.replace('_', '-')} must be positive.")
     if args.context_window is not None and args.context_window < 1:

@@ -102,6 +102,8 @@ def test_regenerated_answers_are_kept_and_reused(tiny, tmp_path, capsys):
     assert err.startswith("error: --mask-token-id") and "\n" not in err
     assert main(args + ["--draft-vocab", "-5"]) == 1
     assert capsys.readouterr().err.strip() == "error: --draft-vocab must be positive (or 0: the whole vocabulary)."
+    assert main(args + ["--regen-batch", "0"]) == 1
+    assert capsys.readouterr().err.strip() == "error: --regen-batch must be positive."
     assert not (out / REGEN).exists()
 
     def kept():

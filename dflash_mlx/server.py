@@ -25,7 +25,6 @@ import logging
 import re
 import select
 import socket
-import signal
 import sys
 import threading
 import time
@@ -722,10 +721,6 @@ def _run(args) -> int:
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
                     args.decode_concurrency, args.prompt_cache_bytes)
     if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
-        # Ctrl-C reaches every rank; a follower leaving on it could strand rank 0
-        # in a collective (mid-generation, or its final "stop"). It stops when
-        # rank 0 says so, or by the collective watchdog if rank 0 is gone.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         follow(served)
         return 0
     server = make_server(served, args.host, args.port)

@@ -161,11 +161,11 @@ def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch
     time; ``on_sequence(i, seq)`` is called as each one finishes."""
     from mlx_lm.generate import BatchGenerator
 
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}.")
     # Joining a running batch copies every layer's cache, so prompts join in
     # waves (when half the batch is free) rather than one per finished row,
     # shortest first so a wave's prompts pad little.
-    if batch < 1:
-        raise ValueError(f"batch must be at least 1, got {batch}.")
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)],
                          completion_batch_size=batch, prefill_batch_size=batch)

@@ -178,13 +178,7 @@ def _run(args) -> int:
     if args.prompt is None and not args.quiet:
         print(f"> {DEFAULT_PROMPT}", flush=True)
     last, text = None, ""
-    for last in stream_generate(
-        model, draft, tokenizer, prompt,
-        block_size=args.block_size, max_tokens=args.max_tokens,
-        temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, logits_processors=processors,
-        **_variants(args),
-    ):
+    for last in _dflash(model, draft, tokenizer, prompt, args, processors):
         print(last.text, end="", flush=True)
         text += last.text
     print()
@@ -197,6 +191,17 @@ def _run(args) -> int:
     if args.compare:
         return _compare(model, draft, tokenizer, prompt, args, processors, last, text)
     return 0
+
+
+def _dflash(model, draft, tokenizer, prompt, args, processors):
+    """stream_generate with the command line's settings."""
+    return stream_generate(
+        model, draft, tokenizer, prompt,
+        block_size=args.block_size, max_tokens=args.max_tokens,
+        temperature=args.temp, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, logits_processors=processors,
+        **_variants(args),
+    )
 
 
 def _variants(args) -> dict:
@@ -227,16 +232,12 @@ def _compare(model, draft, tokenizer, prompt, args, processors, last, text) -> i
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    fast, plain, r = last.generation_tps, None, None
+    fast, plain = last.generation_tps, None
     for i in range(args.compare_runs):
         if i:
             if draft is not None:
                 Policy.forget(draft)  # each run starts as the first did
-            for d in stream_generate(
-                model, draft, tokenizer, prompt, block_size=args.block_size, max_tokens=args.max_tokens,
-                temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                seed=args.seed, logits_processors=processors, **_variants(args),
-            ):
+            for d in _dflash(model, draft, tokenizer, prompt, args, processors):
                 pass
             fast = max(fast, d.generation_tps)
         out = ""

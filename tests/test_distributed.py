@@ -280,7 +280,7 @@ def test_server_on_two_ranks(tmp_path, target_folder):
     finally:
         os.killpg(p.pid, signal.SIGINT)
         try:
-            out, err = p.communicate(timeout=90)
+            out, err = p.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             out, err = p.communicate()

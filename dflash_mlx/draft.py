@@ -1,6 +1,7 @@
 """The DFlash draft model: Qwen3-style layers whose keys/values also see the
 target's context features, and a bidirectional block of mask tokens."""
 
+import math
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -94,6 +95,16 @@ def _block_mask(qpos, kpos, anchors, window, L):
         ok = ok & (qpos[..., None] - kpos[None, None] < window)
     block = mx.ones((qpos.shape[0], L, L), dtype=mx.bool_)
     return mx.concatenate([ok, block], axis=-1)[:, None]
+
+
+def confidence(logits: mx.array) -> mx.array:
+    """The draft's top probability at each offset, from its logits [N, V]:
+    1 / sum(exp(logits - max))."""
+    logits = logits.astype(mx.float32)
+    # As powers of 2: on MLX-CPU mx.exp takes twice as long (0.85 vs 0.46 ms
+    # for 15 x 4160 logits), a cost every round pays.
+    d = (logits - logits.max(axis=-1, keepdims=True)) * math.log2(math.e)
+    return 1 / mx.power(2.0, d).sum(axis=-1)
 
 
 class MLP(nn.Module):
@@ -200,8 +211,7 @@ class DFlashDraft(nn.Module):
             logits = new if logits is None else mx.where(kept[:, None], logits, new)
             if k == steps:
                 break
-            x = logits.astype(mx.float32)
-            sure = mx.exp(x.max(axis=-1) - mx.logsumexp(x, axis=-1))
+            sure = confidence(logits)
             rank = mx.argsort(mx.argsort(mx.where(kept, -2.0, -sure)))
             kept = rank < n * k // steps
             guess = mx.argmax(logits, axis=-1)

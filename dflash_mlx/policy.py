@@ -23,7 +23,9 @@ from typing import Dict, List, Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-VERSION = 2  # of the measurement; part of the cache key
+from .draft import confidence
+
+VERSION = 3  # of the measurement; part of the cache key
 LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
 
 
@@ -71,12 +73,6 @@ class Costs:
         return cls(float(d["draft"]), {int(k): float(v) for k, v in d["verify"].items()})
 
 
-def confidence(logits: mx.array) -> mx.array:
-    """The draft's top probability at each offset, from its logits [N, V]."""
-    logits = logits.astype(mx.float32)
-    return mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
-
-
 @dataclass
 class Policy:
     """Chooses each round's length for one generation.
@@ -85,7 +81,8 @@ class Policy:
     recent drafting rounds committed more tokens per unit of cost than plain
     steps (1 / ``plain``); otherwise take plain steps and probe again after
     1, 2, 4, ... of them. After the pass, :meth:`length` picks the L that
-    maximises E(L) / (draft + verify(L)), where a draft token's chance of
+    maximises E(L) - r * verify(L), r being recent drafting's tokens per
+    step (at least plain's), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
     confidence were accepted in this stretch of drafting, starting from the
     confidence itself; reading the confidences waits for the draft pass, so
@@ -177,9 +174,13 @@ class Policy:
         """Tokens to verify (1..``limit``) after a draft pass whose top
         probabilities at offsets 1..limit-1 are ``conf``."""
         gain = self.expect(conf, limit)
-        draft, best, top = self.costs.draft, 1, -1.0
+        # Maximise E(L) - rate * cost(L), rate being drafting's recent tokens
+        # per step (at least plain's): the choice that maximises the long-run
+        # rate (a round's own ratio E/cost cuts good rounds short).
+        rate = max(self.made / self.spent if self.spent else 0.0, 1 / self.plain)
+        best, top = 1, -math.inf
         for n, e in enumerate(gain, 1):
-            score = e / (draft + self.costs.verify_at(n))
+            score = e - rate * self.costs.verify_at(n)
             if score > top:
                 best, top = n, score
         self.blind = best == limit and not self.probe

@@ -8,7 +8,7 @@ import pytest
 
 from dflash_mlx.generate import known_draft
 from tiny import make_draft
-from util import mlx_run
+from util import default_sigint, mlx_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,9 +90,7 @@ def test_ctrl_c_ends_cleanly(target_folder, tmp_path):
         [sys.executable, "-m", "dflash_mlx.generate", "--model", str(folder), "--draft", str(draft),
          "--prompt", "hi", "--max-tokens", "100000", "--block-size", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        # A suite started in the background (`cmd &` in a script) inherits an
-        # ignored SIGINT, and so would the CLI; give it a terminal's default.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=default_sigint,
     )
     p.stdout.read(1)  # generation has started
     time.sleep(0.5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tiny import make_draft, make_target
-from util import free_port, mlx_tokens, openai_client
+from util import default_sigint, free_port, mlx_tokens, openai_client
 
 PYTHON = sys.executable
 LAUNCH = str(Path(PYTHON).parent / "mlx.launch")
@@ -262,10 +262,8 @@ def test_server_on_two_ranks(tmp_path, target_folder):
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", "-m", "dflash_mlx.server",
            "--model", str(target), "--draft", str(draft), "--port", str(port), "--block-size", "4"]
     env = dict(os.environ, LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
-    # A suite started in the background inherits an ignored SIGINT, and so would
-    # the ranks; give them a terminal's default.
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                         start_new_session=True, preexec_fn=default_sigint)
     try:
         c = openai_client(port)
         kw = dict(model="default", prompt="def f(x):", max_tokens=16, temperature=0)

@@ -189,9 +189,15 @@ def test_policy_rule():
     assert sure.length(conf, 16) == 16 and sure.length(conf, 5) == 5
     steep = Costs(draft=0.5, verify={1: 1.0, 16: 16.0})
     assert steep.verify_at(4) == 4.0 and steep.verify_at(20) == 20.0
-    steady = Policy(steep, 16)
+    # Verify 0.25 steps a token: the L-th token is worth verifying while its
+    # chance to count (0.8^(L-1)) beats the rate drafting has been making
+    # (tokens per step, at least plain's 1) times those 0.25 steps.
+    slope = Costs(draft=0.5, verify={1: 1.0, 16: 4.75})
+    steady = Policy(slope, 16)
     steady.probe = False
-    assert 1 < steady.length(conf, 16) < 8
+    assert steady.length([0.8] * 15, 16) == 7  # 0.8^6 > 0.25 > 0.8^7
+    steady.made, steady.spent = 4.0, 2.0  # 2 tokens a step
+    assert steady.length([0.8] * 15, 16) == 4  # 0.8^3 > 0.5 > 0.8^4
     assert Policy(COSTS, 16).length([0.01] * 15, 16) <= 2
     p, waits = Policy(COSTS, 16), []
     for _ in range(36):  # a draft that is never right: back off 1, 2, 4, ...

@@ -37,6 +37,15 @@ def runs(tokens: List[int], length: int = 3) -> List[int]:
     return found
 
 
+def default_sigint() -> None:
+    """A child's ``preexec_fn``: a suite started in the background (``cmd &``)
+    inherits an ignored SIGINT, and so would the child; give it a terminal's
+    default, so the tests that send it SIGINT see it stop."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now."""
     import socket

@@ -487,7 +487,7 @@ class _Decoder:
         )
         self.dstate.pending = None  # now in the draft's cache
         if self.keys is not None:
-            q = self.dist(process(logits[: length - 1], None, None, None))
+            q = self.dist(logits[: length - 1])
             proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
@@ -563,7 +563,9 @@ class _Decoder:
         seen = mx.array(history[:-1]) if self.processors else None
         self._verified = logits, seen, block
         if q is not None and proposal is not None:
-            p = self.dist(process(logits, seen, block, self.processors))
+            # The distribution ignores the log-softmax's shift: skip it (an exp
+            # per entry) unless logits processors need it.
+            p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, self.keys[1](), near)
             out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()

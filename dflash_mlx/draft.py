@@ -1,7 +1,6 @@
 """The DFlash draft model: Qwen3-style layers whose keys/values also see the
 target's context features, and a bidirectional block of mask tokens."""
 
-import math
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -11,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DFlashConfig
+from .sampling import exp_shifted
 
 
 class Attention(nn.Module):
@@ -98,13 +98,8 @@ def _block_mask(qpos, kpos, anchors, window, L):
 
 
 def confidence(logits: mx.array) -> mx.array:
-    """The draft's top probability at each offset, from its logits [N, V]:
-    1 / sum(exp(logits - max))."""
-    logits = logits.astype(mx.float32)
-    # As powers of 2: on MLX-CPU mx.exp takes twice as long (0.85 vs 0.46 ms
-    # for 15 x 4160 logits), a cost every round pays.
-    d = (logits - logits.max(axis=-1, keepdims=True)) * math.log2(math.e)
-    return 1 / mx.power(2.0, d).sum(axis=-1)
+    """The draft's top probability at each offset, from its logits [N, V]."""
+    return 1 / exp_shifted(logits).sum(axis=-1)
 
 
 class MLP(nn.Module):

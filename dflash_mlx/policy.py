@@ -114,9 +114,9 @@ class Policy:
 
     costs: Costs
     block_size: int
-    memory: float = 0.9
+    memory: float = 0.98
     recent: float = 0.9
-    prior: float = 2.0
+    prior: float = 1.0
     max_wait: int = 128
     probe_limit: int = 4
     bins: int = 10

@@ -4,7 +4,7 @@ from collections import Counter
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_top_k, make_logits_processors
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from dflash_mlx.sampling import accepted, make_sampler
 from util import dflash_tokens, mlx_tokens, runs
@@ -96,6 +96,31 @@ def test_acceptance_rule():
     assert greedy(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
     s = make_sampler(1.0, top_k=1, seed=0)
     assert all(s(mx.array([[0.1, 2.0, 0.3]])).item() == 1 for _ in range(20))
+
+
+def test_distribution_from_raw_logits_matches_mlx_softmax():
+    """Sampled rounds feed raw logits (no log-softmax) to the filters and take
+    their softmax as powers of 2; the draft's confidence likewise."""
+    from dflash_mlx.draft import confidence
+    from dflash_mlx.sampling import make_distribution, process
+
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.standard_normal((16, 4160), dtype=np.float32) * 6 + 30)
+    logp = process(logits, None, None, None)
+    for kw in ({"temp": 0.0}, {"temp": 0.7}, {"temp": 1.0, "top_p": 0.9}, {"temp": 0.7, "top_k": 20, "min_p": 0.05}):
+        got = make_distribution(**kw)(logits)  # from raw logits
+        ref = logp  # what plain decoding filters: log-probabilities
+        if "top_p" in kw:
+            ref = apply_top_p(ref, kw["top_p"])
+        if "min_p" in kw:
+            ref = apply_min_p(ref, kw["min_p"])
+        if "top_k" in kw:
+            ref = apply_top_k(ref, kw["top_k"])
+        want = mx.softmax(ref * (1.0 / (kw["temp"] or 1.0)), axis=-1)
+        assert ((got > 0) == (want > 0)).all().item(), kw  # the same tokens filtered out
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-7).item(), kw
+    top = mx.exp(logp.max(axis=-1))
+    assert mx.allclose(confidence(logits), top, rtol=1e-5).item()
 
 
 def near_tie_logits(rows=3, vocab=4096):

@@ -11,10 +11,10 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .distributed import agree, group
-from .draft import DFlashDraft
+from .draft import DFlashDraft, confidence
 from .errors import GenerationArgumentError
 from .loading import check_compatible
-from .policy import Costs, Policy, cached_costs, confidence
+from .policy import Costs, Policy, cached_costs
 from .rollback import rollback, trims_exactly
 from .sampling import (
     Keys,

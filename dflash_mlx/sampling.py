@@ -79,9 +79,14 @@ def make_distribution(
     filters = _filters(top_p, min_p, top_k)
 
     def dist(logprobs: mx.array) -> mx.array:
+        # Log-probabilities up to a constant, in float32: raw bf16 logits
+        # divided by the temperature would round coarsely, and top-p's exp
+        # would overflow on logits above ~88.
+        x = logprobs.astype(mx.float32)
+        x = x - x.max(axis=-1, keepdims=True)
         for f in filters:
-            logprobs = f(logprobs)
-        return softmax(logprobs * (1.0 / temp))
+            x = f(x)
+        return softmax(x * (1.0 / temp))
 
     return dist
 

@@ -121,6 +121,13 @@ def test_distribution_from_raw_logits_matches_mlx_softmax():
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-7).item(), kw
     top = mx.exp(logp.max(axis=-1))
     assert mx.allclose(confidence(logits), top, rtol=1e-5).item()
+    # Large logits (top-p's exp of raw values would overflow past ~88) and
+    # bf16 ones (raw values over a temperature would round coarsely).
+    for x in (logits + 70, logits.astype(mx.bfloat16)):
+        ref = apply_top_p(process(x.astype(mx.float32), None, None, None), 0.9)
+        want = mx.softmax(ref * (1 / 0.7), axis=-1)
+        got = make_distribution(0.7, top_p=0.9)(x)
+        assert mx.allclose(got, want, rtol=1e-3, atol=1e-6).item(), x.dtype
 
 
 def near_tie_logits(rows=3, vocab=4096):

@@ -25,7 +25,7 @@ from .errors import GenerationArgumentError, UnsupportedModelError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
 from .rollback import rollback_rows, trims_exactly
-from .sampling import make_distribution, make_sampler
+from .sampling import Noise, argmax, held, make_distribution, make_draw
 from .target import Target
 
 
@@ -39,7 +39,6 @@ class _Row:
     detok: object
     prompt_tps: float
     cache: Optional[list]  # the caller's prompt cache, refilled when the row leaves
-    alone: bool = False  # seeded sampling: its rounds must not depend on the other rows
     n: int = 0
     tic: float = field(default_factory=time.perf_counter)
 
@@ -97,19 +96,22 @@ class Batch:
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
-        sampled = self.draft is not None and temperature > 0
-        dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k, seed), None,
-                       list(cache), False, draft_cache, greedy=temperature == 0,
-                       dist=make_distribution(temperature, top_p, min_p, top_k), sampled=sampled, seed=seed)
+        noise = None
+        if temperature > 0:
+            seed = mx.random.randint(0, 2**31 - 1).item() if seed is None else seed
+            noise = Noise(seed, self.target.vocab_rows, held(cache))
+        dec = _Decoder(self.target, self.draft, argmax, None, list(cache), False, draft_cache,
+                       greedy=temperature == 0, dist=make_distribution(temperature, top_p, min_p, top_k),
+                       draw=make_draw(temperature, top_p, min_p, top_k) if noise else None, noise=noise,
+                       coupled=noise is not None)
         if self.bs == "auto":
             dec.policy = Policy(self._share(1), self.top)
-            if seed is None:
-                dec.policy.recall(self.draft)
+            dec.policy.recall(self.draft)
         tic = time.perf_counter()
         first = dec.prefill(ids, prefill_step_size)
         mx.eval([c.state for c in dec.cache])
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
-                   len(ids) / (time.perf_counter() - tic), prompt_cache, seed is not None and temperature > 0)
+                   len(ids) / (time.perf_counter() - tic), prompt_cache)
         row.detok.reset()
         if self.rows:
             if self.cache is None:  # the first row ran alone: its queued step out, into a batch
@@ -191,10 +193,10 @@ class Batch:
     def _round(self) -> None:
         rows = list(self.rows.values())
         self.widest = max(self.widest, len(rows))
-        if self.bs == "auto":  # a seeded row keeps its own costs: its rounds must repeat
+        if self.bs == "auto":
             share = self._share(len(rows))
             for r in rows:
-                r.dec.policy.costs = self._share(1) if r.alone else share
+                r.dec.policy.costs = share
         if self.cache is None:  # one row: the single-sequence round, plain steps pipelined
             row = rows[0]
             left = row.max_tokens - row.n
@@ -202,22 +204,22 @@ class Batch:
             return
         anchors = [mx.array(r.history[-1:]) for r in rows]
         limits = [min(self.top, r.max_tokens - r.n) for r in rows]
-        guesses = [r.dec.guess(a, n) if r.dec.drafts(n) else None for r, a, n in zip(rows, anchors, limits)]
+        guesses = [r.dec.guess(a, n, len(r.history)) if r.dec.drafts(n) else None
+                   for r, a, n in zip(rows, anchors, limits)]
         lengths = self._lengths(rows, guesses, limits)
         blocks, props = [], []
         for r, a, g, n in zip(rows, anchors, guesses, lengths):
-            p, q = r.dec.cut(g, n) if g is not None else (None, None)
+            p = r.dec.cut(g, n) if g is not None else None
             blocks.append(a if p is None else mx.concatenate([a, p]))
-            props.append((p, q))
+            props.append(p)
         L = max(b.shape[0] for b in blocks)
         # Shorter rows are padded with their anchor; rolled back with the rejected drafts.
         tokens = mx.stack([mx.concatenate([b, mx.repeat(b[:1], L - b.shape[0])]) for b in blocks])
         logits, f, _ = self.target.forward(tokens, self.cache, self.target_layers)
         kept = []
         for i, row in enumerate(rows):
-            p, q = props[i]
             n = blocks[i].shape[0]
-            kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
+            kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], props[i]))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
         for i, row in enumerate(rows):
             choice, a = kept[i]
@@ -235,24 +237,19 @@ class Batch:
         drafting = [i for i, g in enumerate(guesses) if g is not None]
         if not drafting:
             return [1] * len(rows)
-        mx.eval([guesses[i][0] for i in drafting] + [guesses[i][2] for i in drafting])
-        conf = {i: guesses[i][2].tolist() for i in drafting}
-        # A seeded sampled row draws per round: it chooses alone, so its text repeats.
-        own = {i: rows[i].dec.policy.length(conf[i], limits[i]) for i in drafting if rows[i].alone}
-        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf and i not in own else [1.0]
-                for i in range(len(rows))]
+        mx.eval([guesses[i] for i in drafting])
+        conf = {i: guesses[i][1].tolist() for i in drafting}
+        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf else [1.0] for i in range(len(rows))]
         costs = self._share(len(rows))
         paid = costs.draft * len(drafting)
         best, top = 1, -1.0
-        for L in range(max(own.values(), default=1), max(len(g) for g in gain) + 1):
+        for L in range(1, max(len(g) for g in gain) + 1):
             score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + len(rows) * costs.verify_at(L))
             if score > top:
                 best, top = L, score
         out = []
         for i, g in enumerate(gain):
-            if i in own:
-                out.append(own[i])
-            elif i in conf:
+            if i in conf:
                 out.append(rows[i].dec.policy.chose(conf[i], min(best, len(g))))
             else:
                 out.append(1)

@@ -441,7 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Quantize the DFlash draft's linear layers to this many bits (4 or 8) at load; "
                         "a list such as none,8,4 adds a column for each after the first.")
     p.add_argument("--proposal", type=_list(_proposal), default=[None],
-                   help="How the draft proposes when sampling: sample (p/q rule, the default) or argmax; "
+                   help="How the draft proposes when sampling: sample (drawn with the target's noise, the default) or argmax; "
                         "a list adds a column for each after the first.")
     p.add_argument("--denoise-steps", type=_list(int), default=[1],
                    help="Draft passes per round (default 1); a list adds a column for each after the first.")

@@ -1,6 +1,5 @@
 """DFlash speculative generation: the decoding loop and its responses."""
 
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Generator, List, Optional, Union
@@ -17,15 +16,16 @@ from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
 from .rollback import rollback, trims_exactly
 from .sampling import (
-    Keys,
+    Noise,
     Sampler,
     accepted,
+    argmax,
     greedy,
+    held,
     make_distribution,
-    make_sampler,
+    make_draw,
     near_top,
     process,
-    speculative,
 )
 from .target import Target
 
@@ -257,7 +257,9 @@ def stream_generate(
             overrides temperature/top_p/top_k/min_p/seed.
         top_p, top_k, min_p: Filters, as in ``mlx_lm.sample_utils``.
         logits_processors: mlx-lm logits processors (e.g. repetition penalty).
-        seed: Make sampling reproducible without touching MLX's global RNG.
+        seed: Make sampling reproducible without touching MLX's global RNG:
+            a token's draw depends on the seed and its position only, so a
+            seed gives the same text at every block size (and without a draft).
         prefill_step_size: Prompt tokens per prefill forward pass.
         prompt_cache: A target cache from ``mlx_lm.models.cache.make_prompt_cache``
             holding earlier turns; the prompt continues it, and it is updated
@@ -280,11 +282,11 @@ def stream_generate(
             The output stays exact.
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
             draft tokens drawn from the draft's distribution (same temperature
-            and filters as the target) and verified with the p/q rule, still
-            exactly the target's law. ``None`` (default): ``"sample"`` when
-            sampling with temperature/filters (it accepted more in the
-            benchmark), ``"argmax"`` with a custom sampler. Greedy decoding
-            is the same either way.
+            and filters as the target) with the noise the target draws its
+            token with at the same position, so a well-calibrated draft often
+            proposes exactly the target's draw. ``None`` (default):
+            ``"sample"`` when sampling with temperature/filters, ``"argmax"``
+            with a custom sampler. The output is the same either way.
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)
@@ -302,15 +304,17 @@ def stream_generate(
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
         )
-    sampled = proposal in (None, "sample") and sampler is None and temperature > 0
-    keys_seed = seed
-    if sampled and seed is None and group() is not None:
-        # Every rank must draw the same drafts: rank 0's fresh seed for the draft's stream.
-        keys_seed = agree(mx.array([random.getrandbits(30)])).item()
+    noise = None
+    if sampler is None and temperature > 0:
+        if seed is None:  # from MLX's generator, as mlx-lm's sampler draws
+            seed = mx.random.randint(0, 2**31 - 1).item()
+            if group() is not None:  # every rank draws the same drafts
+                seed = agree(mx.array([seed])).item()
+        noise = Noise(seed, target.vocab_rows, held(prompt_cache))
     dec = _Decoder(
         target,
         draft if top > 1 else None,
-        sampler or make_sampler(temperature, top_p, min_p, top_k, seed),
+        sampler or argmax,
         logits_processors,
         prompt_cache,
         profile,
@@ -319,8 +323,9 @@ def stream_generate(
         threshold=accept_threshold,
         steps=denoise_steps,
         dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
-        sampled=sampled,
-        seed=keys_seed,
+        draw=make_draw(temperature, top_p, min_p, top_k) if noise is not None else None,
+        noise=noise,
+        coupled=noise is not None and proposal != "argmax",
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -334,8 +339,7 @@ def stream_generate(
                 # The cost model times one draft pass.
                 c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
                 dec.policy = Policy(c, top, plain=1.0 if dec.pipelined else None)
-                if seed is None:  # a seeded run draws per round: its rounds must repeat
-                    dec.policy.recall(draft)
+                dec.policy.recall(draft)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -384,12 +388,12 @@ class _Decoder:
 
     def __init__(
         self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False,
-        threshold=None, steps=1, dist=None, sampled=False, seed=None,
+        threshold=None, steps=1, dist=None, draw=None, noise=None, coupled=False,
     ):
         self.target, self.draft = target, draft
         self.threshold, self.steps, self.dist = threshold, steps, dist or make_distribution()
-        # Sampled proposals: the draft's and the verifier's own random streams.
-        self.keys = (Keys(seed, 1), Keys(seed, 2)) if sampled else None
+        # Sampling: draws with position-keyed noise (the draft too when coupled).
+        self.draw, self.noise, self.coupled = draw, noise, coupled
         self.sampler, self.processors, self.profile = sampler, processors, profile
         self.fast = greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
@@ -426,7 +430,14 @@ class _Decoder:
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        return agree(self.sampler(self.logprobs)).tolist()
+        return agree(self.pick(self.logprobs, len(ids))).tolist()
+
+    def pick(self, x: mx.array, pos: int) -> mx.array:
+        """The target's tokens for rows ``x`` [n, V] (log-probabilities, or
+        logits when sampling) at positions pos .. pos + n - 1."""
+        if self.noise is None:
+            return self.sampler(x)
+        return self.draw(x, self.noise(pos, x.shape[0]))
 
     def round(self, history: List[int], length: int, more: bool = False) -> List[int]:
         """Draft ``length - 1`` tokens after the last one (with a policy: up
@@ -437,15 +448,15 @@ class _Decoder:
         anchor = mx.array(history[-1:])
         drafted = self.drafts(length)
         if not drafted and self.pipelined:
-            return self._plain(anchor, more)
-        proposal, q = self.propose(anchor, length) if drafted else (None, None)
+            return self._plain(anchor, len(history), more)
+        proposal = self.propose(anchor, length, len(history)) if drafted else None
         if drafted:
             clock.lap("draft", anchor if proposal is None else proposal)
         block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        out, a = self._choose(logits, history, block, proposal, q=q)
+        out, a = self._choose(logits, history, block, proposal)
         if self._unseen is not None:  # verified blind: would looking have cut it?
             self.policy.saw(self._unseen[0].tolist(), self._unseen[1])
             self._unseen = None
@@ -459,25 +470,24 @@ class _Decoder:
         """Whether a round of ``length`` runs the draft (else a plain step)."""
         return self.draft is not None and length > 1 and (self.policy is None or self.policy.drafts())
 
-    def propose(self, anchor: mx.array, length: int):
-        """The draft tokens after ``anchor`` [1] (up to ``length - 1``; a
-        policy may cut them, to none) and, for sampled proposals, the
-        distributions they were drawn from: (proposal or None, q or None)."""
-        guess = self.guess(anchor, length)
+    def propose(self, anchor: mx.array, length: int, pos: int) -> Optional[mx.array]:
+        """The draft tokens after ``anchor`` [1], the first at position
+        ``pos`` (up to ``length - 1``; a policy may cut them, to None)."""
+        guess = self.guess(anchor, length, pos)
         if self.policy is not None and self.policy.looks():
-            mx.eval(guess[0], guess[2])
-            length = self.policy.length(guess[2].tolist(), length)
+            mx.eval(guess)
+            length = self.policy.length(guess[1].tolist(), length)
         else:
             # The draft pass runs while the verify pass is being built.
             mx.async_eval([x for x in guess if x is not None])
             if self.policy is not None:
-                self._unseen = guess[2], length
+                self._unseen = guess[1], length
         return self.cut(guess, length)
 
-    def guess(self, anchor: mx.array, length: int):
-        """The draft pass, lazily: (proposal [length - 1], q or None, the
-        confidences when a policy will choose the length, else None)."""
-        t, q = self.target, None
+    def guess(self, anchor: mx.array, length: int, pos: int):
+        """The draft pass, lazily: (proposal [length - 1], the confidences
+        when a policy will choose the length, else None)."""
+        t = self.target
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
         # mask positions and guesses worse; only length - 1 drafts are verified.
@@ -486,26 +496,23 @@ class _Decoder:
             anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
         )
         self.dstate.pending = None  # now in the draft's cache
-        if self.keys is not None:
-            q = self.dist(logits[: length - 1])
-            proposal = mx.random.categorical(mx.log(q), key=self.keys[0]())
+        if self.coupled:  # the target's noise at the same positions
+            noise = self.noise(pos, length - 1)
+            proposal = self.draw(logits[: length - 1], noise if self.vocab is None else noise[:, self.vocab])
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
         conf = confidence(logits[: length - 1]) if self.policy is not None else None
-        return proposal, q, conf
+        return proposal, conf
 
-    def cut(self, guess, length: int):
-        """The first ``length - 1`` tokens of a :meth:`guess` (in the target's
-        vocabulary) and their distributions, or (None, None) for none."""
-        proposal, q, _ = guess
+    def cut(self, guess, length: int) -> Optional[mx.array]:
+        """The first ``length - 1`` tokens of a :meth:`guess`, in the
+        target's vocabulary (None for none)."""
         if length <= 1:
-            return None, None
-        proposal = proposal[: length - 1]
-        if self.keys is not None:
-            q = self._full(q[: length - 1])
+            return None
+        proposal = guess[0][: length - 1]
         if self.vocab is not None:
             proposal = self.vocab[proposal]
-        return proposal.astype(mx.int32), q
+        return proposal.astype(mx.int32)
 
     def commit(self, out: List[int], a: int, f, verified: int, drafted: bool) -> List[int]:
         """Book a verified round whose caches are rolled back: queue the kept
@@ -524,13 +531,13 @@ class _Decoder:
         mx.async_eval(self.logprobs)
         return out[: a + 1]
 
-    def _plain(self, anchor: mx.array, more: bool) -> List[int]:
-        """A plain step, the next one queued before this one's token is read
-        when the next round is a plain step too."""
-        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor)
+    def _plain(self, anchor: mx.array, pos: int, more: bool) -> List[int]:
+        """A plain step (its token at position ``pos``), the next one queued
+        before this one's token is read when the next round is a plain step too."""
+        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
         self.ahead = None
         if more and (self.draft is None or (self.policy is not None and not self.policy.drafts(after=1))):
-            self.ahead = self._step(y)
+            self.ahead = self._step(y, pos + 1)
             mx.async_eval(self.ahead[0])
         if f is not None:
             self.dstate.extend(f)
@@ -541,12 +548,13 @@ class _Decoder:
         self.verified = 1
         return y.tolist()
 
-    def _step(self, token: mx.array):
-        """The target's next token [1] after ``token`` [1], the features and
-        the log-probabilities, lazily."""
+    def _step(self, token: mx.array, pos: int):
+        """The target's next token [1] after ``token`` [1] (at position
+        ``pos``), the features and the log-probabilities, lazily."""
         logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
         logp = process(logits[-1:], None, None, None)
-        return self.sampler(logp).astype(token.dtype), f, logp
+        y = self.pick(logp if self.noise is None else logits[-1:], pos)
+        return y.astype(token.dtype), f, logp
 
     def settle(self) -> None:
         """Take a queued step back out of the caches (the generation ended)."""
@@ -555,31 +563,26 @@ class _Decoder:
             for c in self.cache:
                 c.trim(1)
 
-    def _choose(self, logits, history, block, proposal, exact=False, q=None):
+    def _choose(self, logits, history, block, proposal, exact=False):
         """The tokens for the block (then the acceptance count and the fast
         path's doubt flag, as a list) and how many drafts they accept: the
-        target's own choices, or with ``q`` (the distributions the drafts were
-        sampled from) the p/q rule's tokens."""
+        target's own choices, a draft kept where it equals its position's."""
         seen = mx.array(history[:-1]) if self.processors else None
         self._verified = logits, seen, block
-        if q is not None and proposal is not None:
-            # The distribution ignores the log-softmax's shift: skip it (an exp
-            # per entry) unless logits processors need it.
-            p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
-            near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
-            choice, a = speculative(p, q, proposal, self.keys[1](), near)
-            out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
-            return out, out[block.shape[0]]
-        logp = None
-        if self.fast and not exact and logits.dtype == mx.float32:
+        if self.noise is not None:
+            # The draw ignores the log-softmax's shift: skip it (an exp per
+            # entry) unless logits processors need it.
+            x = process(logits, seen, block, self.processors) if self.processors else logits
+            choice, unsure = self.pick(x, len(history)), mx.array(False)
+        elif self.fast and not exact and logits.dtype == mx.float32:
+            x = logits  # softmax ignores the shift: raw logits serve the threshold
             choice, unsure = greedy(logits)
         else:
-            logp = process(logits, seen, block, self.processors)
-            choice, unsure = self.sampler(logp), mx.array(False)
+            x = process(logits, seen, block, self.processors)
+            choice, unsure = self.sampler(x), mx.array(False)
         near = None
         if self.threshold is not None and proposal is not None:
-            # Softmax ignores the shift: raw logits serve on the fast path.
-            near = near_top(self.dist(logits if logp is None else logp), proposal, self.threshold)
+            near = near_top(self.dist(x), proposal, self.threshold)
         a = accepted(proposal, choice, near) if proposal is not None else mx.array(0)
         if near is not None:  # accepted drafts may differ from the target's choices
             drafts = mx.concatenate([proposal.astype(choice.dtype), choice[-1:]])
@@ -589,14 +592,6 @@ class _Decoder:
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         return out, out[block.shape[0]]
-
-    def _full(self, q: mx.array) -> mx.array:
-        """Draft probabilities over the target's vocabulary rows."""
-        if self.vocab is None:
-            return q
-        full = mx.zeros((q.shape[0], self.target.vocab_rows), q.dtype)
-        idx = mx.broadcast_to(self.vocab[None], q.shape)
-        return mx.put_along_axis(full, idx, q, axis=-1)
 
 
 class _Clock:

@@ -105,8 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--denoise-steps", type=int, default=1, metavar="K",
                    help="Draft passes per round: after each, keep its surest guesses and re-mask the rest.")
     p.add_argument("--proposal", choices=("argmax", "sample"), default=None,
-                   help="Draft tokens when sampling: sampled from the draft and verified with the p/q "
-                        "rule (the default), or the draft's argmax.")
+                   help="Draft tokens when sampling: drawn from the draft with the target's noise at the "
+                        "same positions (the default), or the draft's argmax. The text is the same either way.")
     add_pipeline_arg(p)
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(

@@ -1,14 +1,18 @@
 """Token choice and the acceptance rule.
 
-The draft proposes its argmax (a one-hot q). The target samples its own token
-y_i at every block offset, independently, from exactly the distribution plain
-decoding would use; draft token d_{i+1} is accepted iff it equals y_i, and the
-first y that differs is the bonus. That is the same law as "accept d with
-probability p(d), else sample p without d", so the output follows the target's
-distribution exactly, for any sampler, and greedy is the temperature-0 case.
+Sampling draws with Gumbel noise keyed by the seed and the token's position:
+the token at a position is the argmax of the target's filtered, tempered
+logits plus that position's noise, whichever round, block length or process
+computes it. The law is exactly the target's (the Gumbel-max trick), and a
+seeded generation gives the same text at every block size. Draft tokens are
+accepted iff they equal the target's own choices; the first choice that
+differs is the bonus. A draft that samples (``proposal="sample"``) draws with
+the same noise, so where its distribution is close to the target's it
+proposes the token the target will draw.
 """
 
 import math
+import random
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -35,31 +39,55 @@ def softmax(x: mx.array) -> mx.array:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def make_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
-    seed: Optional[int] = None,
-) -> Sampler:
-    """A sampler over rows of log-probabilities [N, V] -> tokens [N], with the
-    filters and temperature of ``mlx_lm.sample_utils.make_sampler``. With a
-    ``seed`` it draws from its own key, leaving MLX's global RNG untouched."""
-    if temp == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+def argmax(x: mx.array) -> mx.array:
+    """Greedy choice over rows [N, V]."""
+    return mx.argmax(x, axis=-1)
+
+
+def make_draw(
+    temp: float, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0
+) -> Callable[[mx.array, mx.array], mx.array]:
+    """Tokens [N] from logit rows [N, V] (any shift per row) and Gumbel noise
+    rows [N, V]: a draw from the distribution of ``mlx_lm.sample_utils.make_sampler``
+    with these filters and temperature."""
     filters = _filters(top_p, min_p, top_k)
-    key = mx.random.key(seed) if seed is not None else None
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
+    def draw(logits: mx.array, noise: mx.array) -> mx.array:
+        x = _shifted(logits)
         for f in filters:
-            logprobs = f(logprobs)
-        sub = None
-        if key is not None:
-            key, sub = mx.random.split(key)
-        return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+            x = f(x)
+        return mx.argmax(x * (1.0 / temp) + noise, axis=-1)
 
-    return sample
+    return draw
+
+
+class Noise:
+    """Gumbel noise rows [V] for the positions of one sequence, each from the
+    seed and its position alone; rows not yet consumed stay for later rounds.
+    ``held``: tokens before position 0 (a prompt cache's), so that a
+    continued conversation draws as a fresh run of all its tokens would."""
+
+    def __init__(self, seed: int, width: int, held: int = 0):
+        self.base, self.width, self.held = random.Random(seed).getrandbits(32), width, held
+        self.start, self.rows = 0, mx.zeros((0, width))
+
+    def __call__(self, pos: int, n: int) -> mx.array:
+        """The rows [n, V] of positions pos .. pos + n - 1."""
+        if not self.start <= pos <= self.start + self.rows.shape[0]:
+            self.start, self.rows = pos, self.rows[:0]
+        end = self.start + self.rows.shape[0]
+        self.rows = mx.concatenate([self.rows[pos - self.start :]] + [self._row(p) for p in range(end, pos + n)])
+        self.start = pos
+        return self.rows[:n]
+
+    def _row(self, pos: int) -> mx.array:
+        key = mx.array([self.base, (self.held + pos) % 2**32], dtype=mx.uint32)
+        return mx.random.gumbel(shape=(1, self.width), key=key)
+
+
+def held(cache: Optional[list]) -> int:
+    """Tokens a prompt cache holds (0 for none)."""
+    return next((c.offset for c in cache or [] if isinstance(getattr(c, "offset", None), int)), 0)
 
 
 def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
@@ -73,43 +101,32 @@ def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
     return filters
 
 
+def _shifted(x: mx.array) -> mx.array:
+    # Log-probabilities up to a constant, in float32: raw bf16 logits divided
+    # by a temperature would round coarsely, and top-p's exp would overflow
+    # on logits above ~88. The filters keep the top entry at 0.
+    x = x.astype(mx.float32)
+    return x - x.max(axis=-1, keepdims=True)
+
+
 def make_distribution(
     temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0
 ) -> Callable[[mx.array], mx.array]:
-    """The probabilities [N, V] that :func:`make_sampler`'s sampler draws
-    from, given log-probability rows (or logits: the filters and the softmax
-    ignore a shift); at temperature 0 the plain softmax."""
+    """The probabilities [N, V] that :func:`make_draw` draws from, given
+    log-probability rows (or logits: the filters and the softmax ignore a
+    shift); at temperature 0 the plain softmax."""
     if temp == 0:
         return softmax
     filters = _filters(top_p, min_p, top_k)
 
     def dist(logprobs: mx.array) -> mx.array:
-        # Log-probabilities up to a constant, in float32: raw bf16 logits
-        # divided by the temperature would round coarsely, and top-p's exp
-        # would overflow on logits above ~88.
-        x = logprobs.astype(mx.float32)
-        x = x - x.max(axis=-1, keepdims=True)
+        x = _shifted(logprobs)
         for f in filters:
             x = f(x)
-        # The filters keep the top entry: the row maximum is still 0.
         e = exp(x * (1.0 / temp))
         return e / e.sum(axis=-1, keepdims=True)
 
     return dist
-
-
-class Keys:
-    """A private stream of random keys (``None`` each time without a seed:
-    MLX's global generator). ``salt`` separates streams of one seed."""
-
-    def __init__(self, seed: Optional[int], salt: int):
-        self.key = mx.random.key(seed * 3 + salt) if seed is not None else None
-
-    def __call__(self):
-        if self.key is None:
-            return None
-        self.key, sub = mx.random.split(self.key)
-        return sub
 
 
 def near_top(probs: mx.array, draft: mx.array, threshold: float) -> mx.array:
@@ -118,30 +135,6 @@ def near_top(probs: mx.array, draft: mx.array, threshold: float) -> mx.array:
     n = draft.shape[0]
     pd = mx.take_along_axis(probs[:n], draft[:, None].astype(mx.int32), axis=-1)[:, 0]
     return pd >= threshold * probs[:n].max(axis=-1)
-
-
-def speculative(p: mx.array, q: mx.array, draft: mx.array, key=None, also: Optional[mx.array] = None):
-    """Speculative sampling of draft tokens [L-1] drawn from the rows of
-    ``q`` [L-1, V], against the target's probabilities ``p`` [L, V]: accept
-    each with probability min(1, p/q); at the first rejection draw the bonus
-    from normalise(max(0, p - q)), after all from the last row of ``p``.
-    Drafts flagged in ``also`` are accepted regardless (not exact then).
-    Returns (tokens [L], accepted count): the accepted drafts, then the bonus."""
-    n = draft.shape[0]
-    draft = draft.astype(mx.int32)
-    k1, k2 = mx.random.split(key) if key is not None else (None, None)
-    pd = mx.take_along_axis(p[:n], draft[:, None], axis=-1)[:, 0]
-    qd = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
-    ok = mx.random.uniform(shape=(n,), key=k1) * qd < pd
-    if also is not None:
-        ok = ok | also
-    a = mx.cumprod(ok.astype(mx.int32)).sum()
-    rest = mx.concatenate([mx.maximum(p[:n] - q, 0.0), p[n:]])[a]
-    # rest is all zero only where p == q, which never rejects; guard anyway.
-    rest = mx.where(rest.sum() > 0, rest, p[a])
-    bonus = mx.random.categorical(mx.log(rest), key=k2)
-    tokens = mx.concatenate([draft, bonus.reshape(1).astype(mx.int32)])
-    return mx.where(mx.arange(n + 1) < a, tokens, bonus.astype(mx.int32)), a
 
 
 def process(

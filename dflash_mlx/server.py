@@ -14,7 +14,7 @@ generation. The caches of recent conversations (the
 target's and the draft's context) are kept in a small LRU: a prompt that shares
 a cached token prefix only prefills its new tokens (reported as
 ``usage.prompt_tokens_details.cached_tokens``), with the same output as a fresh
-run. Seeded sampling always starts fresh, so a seed always gives the same text.
+run (seeded sampling included: a token's draw depends on its position only).
 """
 
 import argparse
@@ -396,10 +396,7 @@ def follow(served: Served) -> None:
 def _generate(served: Served, req: Request, out: Outcome):
     from .decoding import stream_generate
 
-    # Seeded sampling draws per round, and a reused cache may change the
-    # draft's guesses by rounding: start fresh so a seed always repeats.
-    seeded = req.sampling["seed"] is not None and req.sampling["temperature"] > 0
-    entry, reused = (None, 0) if seeded else served.cache.take(req.ids)
+    entry, reused = served.cache.take(req.ids)
     out.cached = reused
     if entry is None:
         from mlx_lm.models.cache import make_prompt_cache

@@ -87,7 +87,7 @@ def test_seeded_sampling_matches_single(loaded, draft_for):
 
 def test_seeded_row_ignores_its_companions(loaded, draft_for):
     """Under "auto" a round's length depends on all rows, but a seeded
-    sampled row chooses alone: its text is the one it gets alone."""
+    row's draws depend on positions only: its text is the one it gets alone."""
     model, tok, folder = loaded("qwen3", tied=True)
     ref = mlx_tokens(model, tok, PROMPTS[0], 60)
     draft = draft_for(folder, mask_token_id=runs(ref)[0], echo=True)

@@ -116,14 +116,17 @@ def test_expensive_verify_gives_short_rounds(loaded, draft_for):
 
 
 def test_auto_sampling_is_reproducible(loaded, draft_for):
-    model, tok, folder = loaded("qwen3", tied=True)
-    draft = draft_for(folder, mask_token_id=mlx_tokens(model, tok, "class A:\n", 1)[0], echo=True)
-    kw = dict(max_tokens=30, temperature=0.3, top_p=0.95, costs=COSTS, proposal="argmax")
+    """A seed repeats its text while the policy carries what it learnt from
+    one generation to the next: the second run of a useless draft starts
+    with plain steps instead of a probe."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    kw = dict(max_tokens=30, temperature=0.3, top_p=0.95, costs=COSTS)
     a, _, ra = auto_run(model, draft, tok, "class A:\n", seed=3, **kw)
     b, _, rb = auto_run(model, draft, tok, "class A:\n", seed=3, **kw)
     c, _, _ = auto_run(model, draft, tok, "class A:\n", seed=4, **kw)
-    assert (a, ra) == (b, rb) and a != c
-    assert any(acc > 1 for _, acc, _ in ra)
+    assert a == b and a != c
+    assert ra[0][2] and not rb[0][2]
 
 
 def test_auto_sampling_follows_the_target_law(loaded, draft_for):

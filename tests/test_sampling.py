@@ -6,7 +6,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from dflash_mlx.sampling import accepted, make_sampler
+import pytest
+
+from conftest import ARCHS
+from dflash_mlx.sampling import Noise, accepted, argmax, make_draw
 from util import dflash_tokens, mlx_tokens, runs
 
 TEMP, TOP_K, N = 1.0, 3, 3
@@ -92,10 +95,46 @@ def test_acceptance_rule():
     assert accepted(d, mx.array([5, 6, 7, 9])).item() == 3
     assert accepted(d, mx.array([5, 1, 7, 9])).item() == 1
     assert accepted(d, mx.array([0, 6, 7, 9])).item() == 0
-    greedy = make_sampler(0.0)
-    assert greedy(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
-    s = make_sampler(1.0, top_k=1, seed=0)
-    assert all(s(mx.array([[0.1, 2.0, 0.3]])).item() == 1 for _ in range(20))
+    assert argmax(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
+    top1 = make_draw(1.0, top_k=1)
+    noise = Noise(0, 3)
+    assert all(top1(mx.array([[0.1, 2.0, 0.3]]), noise(i, 1)).item() == 1 for i in range(20))
+
+
+def test_noise_depends_on_seed_and_position_only():
+    """However rows are asked for (one at a time, in blocks, overlapping,
+    with a prompt cache's tokens before them), position p gets one row."""
+    whole = Noise(5, 64)(0, 12)
+    parts = Noise(5, 64)
+    got = mx.concatenate([parts(0, 3), parts(3, 1), parts(4, 6)[:2], parts(6, 6)])
+    assert mx.array_equal(got, whole)
+    assert mx.array_equal(Noise(5, 64, held=4)(2, 3), whole[6:9])
+    assert not mx.array_equal(Noise(6, 64)(0, 12), whole)
+    # Rows are Gumbel: the draws from them follow the softmax.
+    logits = mx.array([[0.0, 1.0, 2.0]])
+    draw = make_draw(1.0)
+    noise = Noise(1, 3)
+    counts = np.bincount([draw(logits, noise(i, 1)).item() for i in range(3000)], minlength=3) / 3000
+    assert np.abs(counts - np.array(mx.softmax(logits, axis=-1))[0]).max() < 0.03
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_seeded_text_is_the_same_at_every_block_size(arch, loaded, draft_for):
+    """A token's draw depends on the seed and its position only: a seeded
+    generation is token-identical at every block size, auto and without a
+    draft, with drafts that are accepted and proposals drawn or argmax."""
+    model, tok, folder = loaded(arch, tied=True)
+    prompt = tok.encode("import os\n")
+    kw = dict(max_tokens=30, temperature=1.0, top_p=0.95, seed=3)
+    ref, _ = dflash_tokens(model, None, tok, prompt, **kw)
+    draft = draft_for(folder, mask_token_id=ref[1], echo=True)
+    gained = False
+    for bs in (1, 2, 4, draft.block_size, "auto"):
+        for proposal in ("sample", "argmax"):
+            out, rounds = dflash_tokens(model, draft, tok, prompt, block_size=bs, proposal=proposal, **kw)
+            assert out == ref, (arch, bs, proposal)
+            gained |= max(r.accepted for r in rounds) > 1
+    assert gained, "no draft was ever accepted: the test would not test acceptance"
 
 
 def test_distribution_from_raw_logits_matches_mlx_softmax():
@@ -143,7 +182,7 @@ def near_tie_logits(rows=3, vocab=4096):
 def test_greedy_fast_path_agrees_with_exact_path():
     from dflash_mlx.sampling import greedy, process
 
-    exact = make_sampler(0.0)
+    exact = argmax
     for seed in range(20):
         rng = np.random.default_rng(seed)
         logits = mx.array(rng.standard_normal((16, 4160), dtype=np.float32) * 4)
@@ -161,7 +200,7 @@ def test_round_redoes_near_ties_exactly(loaded):
     from dflash_mlx.target import Target
 
     model, _, _ = loaded("qwen3")
-    dec = _Decoder(Target(model), None, make_sampler(0.0), None, None, False, greedy=True)
+    dec = _Decoder(Target(model), None, argmax, None, None, False, greedy=True)
     out, a = dec._choose(near_tie_logits(), [1, 2], mx.array([2, 5, 7]), mx.array([5, 7]))
     # A bare argmax would choose 9 everywhere and accept nothing.
     assert out[:3] == [5, 5, 5] and a == 1

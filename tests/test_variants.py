@@ -290,7 +290,7 @@ def test_benchmark_draft_bits(loaded, tmp_path, capsys):
 
 def test_threshold_with_sampled_proposals(loaded, draft_for):
     """Sampled drafts inside the target's top-k pass a tiny threshold; the
-    p/q rule alone rejects some of them."""
+    exact rule alone rejects some of them."""
     model, tok, folder = loaded("qwen3", tied=True)
     ids = tok.encode(PROMPTS[1])
     ref, _ = mlx_run(model, tok, PROMPTS[1], 30)

@@ -25,7 +25,7 @@ from .errors import GenerationArgumentError, UnsupportedModelError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
 from .rollback import rollback_rows, trims_exactly
-from .sampling import Noise, argmax, held, make_distribution, make_draw
+from .sampling import Noise, held, make_distribution, make_draw, make_sampler
 from .target import Target
 
 
@@ -96,14 +96,11 @@ class Batch:
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
-        noise = None
-        if temperature > 0:
-            seed = mx.random.randint(0, 2**31 - 1).item() if seed is None else seed
-            noise = Noise(seed, self.target.vocab_rows, held(cache))
-        dec = _Decoder(self.target, self.draft, argmax, None, list(cache), False, draft_cache,
-                       greedy=temperature == 0, dist=make_distribution(temperature, top_p, min_p, top_k),
+        noise = Noise(seed, self.target.vocab_rows, held(cache)) if seed is not None and temperature > 0 else None
+        dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k), None, list(cache),
+                       False, draft_cache, greedy=temperature == 0, dist=make_distribution(temperature, top_p, min_p, top_k),
                        draw=make_draw(temperature, top_p, min_p, top_k) if noise else None, noise=noise,
-                       coupled=noise is not None)
+                       sampled=self.draft is not None and temperature > 0)
         if self.bs == "auto":
             dec.policy = Policy(self._share(1), self.top)
             dec.policy.recall(self.draft)
@@ -209,9 +206,9 @@ class Batch:
         lengths = self._lengths(rows, guesses, limits)
         blocks, props = [], []
         for r, a, g, n in zip(rows, anchors, guesses, lengths):
-            p = r.dec.cut(g, n) if g is not None else None
+            p, q = r.dec.cut(g, n) if g is not None else (None, None)
             blocks.append(a if p is None else mx.concatenate([a, p]))
-            props.append(p)
+            props.append((p, q))
         L = max(b.shape[0] for b in blocks)
         # Shorter rows are padded with their anchor; rolled back with the rejected drafts.
         tokens = mx.stack([mx.concatenate([b, mx.repeat(b[:1], L - b.shape[0])]) for b in blocks])
@@ -219,7 +216,8 @@ class Batch:
         kept = []
         for i, row in enumerate(rows):
             n = blocks[i].shape[0]
-            kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], props[i]))
+            p, q = props[i]
+            kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
         for i, row in enumerate(rows):
             choice, a = kept[i]
@@ -237,8 +235,8 @@ class Batch:
         drafting = [i for i, g in enumerate(guesses) if g is not None]
         if not drafting:
             return [1] * len(rows)
-        mx.eval([guesses[i] for i in drafting])
-        conf = {i: guesses[i][1].tolist() for i in drafting}
+        mx.eval([guesses[i][0] for i in drafting] + [guesses[i][2] for i in drafting])
+        conf = {i: guesses[i][2].tolist() for i in drafting}
         gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf else [1.0] for i in range(len(rows))]
         costs = self._share(len(rows))
         paid = costs.draft * len(drafting)

@@ -1,5 +1,6 @@
 """DFlash speculative generation: the decoding loop and its responses."""
 
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Generator, List, Optional, Union
@@ -19,13 +20,14 @@ from .sampling import (
     Noise,
     Sampler,
     accepted,
-    argmax,
     greedy,
     held,
     make_distribution,
     make_draw,
+    make_sampler,
     near_top,
     process,
+    speculative,
 )
 from .target import Target
 
@@ -258,8 +260,10 @@ def stream_generate(
         top_p, top_k, min_p: Filters, as in ``mlx_lm.sample_utils``.
         logits_processors: mlx-lm logits processors (e.g. repetition penalty).
         seed: Make sampling reproducible without touching MLX's global RNG:
-            a token's draw depends on the seed and its position only, so a
-            seed gives the same text at every block size (and without a draft).
+            a token's draw then depends on the seed and its position only, so
+            a seed gives the same text at every block size and without a
+            draft (up to the target's rounding, which differs between block
+            shapes).
         prefill_step_size: Prompt tokens per prefill forward pass.
         prompt_cache: A target cache from ``mlx_lm.models.cache.make_prompt_cache``
             holding earlier turns; the prompt continues it, and it is updated
@@ -282,11 +286,11 @@ def stream_generate(
             The output stays exact.
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
             draft tokens drawn from the draft's distribution (same temperature
-            and filters as the target) with the noise the target draws its
-            token with at the same position, so a well-calibrated draft often
-            proposes exactly the target's draw. ``None`` (default):
-            ``"sample"`` when sampling with temperature/filters, ``"argmax"``
-            with a custom sampler. The output is the same either way.
+            and filters as the target), verified with the p/q rule or, with a
+            ``seed``, drawn with the noise the target draws its token with at
+            the same position. Exact either way. ``None`` (default):
+            ``"sample"`` when sampling with temperature/filters (it accepts
+            more), ``"argmax"`` with a custom sampler.
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)
@@ -304,17 +308,15 @@ def stream_generate(
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
         )
-    noise = None
-    if sampler is None and temperature > 0:
-        if seed is None:  # from MLX's generator, as mlx-lm's sampler draws
-            seed = mx.random.randint(0, 2**31 - 1).item()
-            if group() is not None:  # every rank draws the same drafts
-                seed = agree(mx.array([seed])).item()
+    noise, sampled = None, sampler is None and temperature > 0
+    if sampled and (seed is not None or group() is not None):
+        if seed is None:  # every rank must draw the same drafts: rank 0's fresh seed
+            seed = agree(mx.array([random.getrandbits(30)])).item()
         noise = Noise(seed, target.vocab_rows, held(prompt_cache))
     dec = _Decoder(
         target,
         draft if top > 1 else None,
-        sampler or argmax,
+        sampler or make_sampler(temperature, top_p, min_p, top_k),
         logits_processors,
         prompt_cache,
         profile,
@@ -325,7 +327,7 @@ def stream_generate(
         dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
         draw=make_draw(temperature, top_p, min_p, top_k) if noise is not None else None,
         noise=noise,
-        coupled=noise is not None and proposal != "argmax",
+        sampled=sampled and proposal != "argmax",
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -388,12 +390,13 @@ class _Decoder:
 
     def __init__(
         self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False,
-        threshold=None, steps=1, dist=None, draw=None, noise=None, coupled=False,
+        threshold=None, steps=1, dist=None, draw=None, noise=None, sampled=False,
     ):
         self.target, self.draft = target, draft
         self.threshold, self.steps, self.dist = threshold, steps, dist or make_distribution()
-        # Sampling: draws with position-keyed noise (the draft too when coupled).
-        self.draw, self.noise, self.coupled = draw, noise, coupled
+        # Seeded sampling draws with position-keyed noise (a sampled draft too);
+        # a sampled draft without it is verified with the p/q rule.
+        self.draw, self.noise, self.sampled = draw, noise, sampled
         self.sampler, self.processors, self.profile = sampler, processors, profile
         self.fast = greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
@@ -430,7 +433,9 @@ class _Decoder:
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        return agree(self.pick(self.logprobs, len(ids))).tolist()
+        # The draw from raw logits where the rounds use them (see _choose).
+        x = logits[-1:] if self.noise is not None and not self.processors else self.logprobs
+        return agree(self.pick(x, len(ids))).tolist()
 
     def pick(self, x: mx.array, pos: int) -> mx.array:
         """The target's tokens for rows ``x`` [n, V] (log-probabilities, or
@@ -449,14 +454,14 @@ class _Decoder:
         drafted = self.drafts(length)
         if not drafted and self.pipelined:
             return self._plain(anchor, len(history), more)
-        proposal = self.propose(anchor, length, len(history)) if drafted else None
+        proposal, q = self.propose(anchor, length, len(history)) if drafted else (None, None)
         if drafted:
             clock.lap("draft", anchor if proposal is None else proposal)
         block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
-        out, a = self._choose(logits, history, block, proposal)
+        out, a = self._choose(logits, history, block, proposal, q=q)
         if self._unseen is not None:  # verified blind: would looking have cut it?
             self.policy.saw(self._unseen[0].tolist(), self._unseen[1])
             self._unseen = None
@@ -470,24 +475,26 @@ class _Decoder:
         """Whether a round of ``length`` runs the draft (else a plain step)."""
         return self.draft is not None and length > 1 and (self.policy is None or self.policy.drafts())
 
-    def propose(self, anchor: mx.array, length: int, pos: int) -> Optional[mx.array]:
+    def propose(self, anchor: mx.array, length: int, pos: int):
         """The draft tokens after ``anchor`` [1], the first at position
-        ``pos`` (up to ``length - 1``; a policy may cut them, to None)."""
+        ``pos`` (up to ``length - 1``; a policy may cut them, to none) and,
+        for p/q verification, the distributions they were drawn from:
+        (proposal or None, q or None)."""
         guess = self.guess(anchor, length, pos)
         if self.policy is not None and self.policy.looks():
-            mx.eval(guess)
-            length = self.policy.length(guess[1].tolist(), length)
+            mx.eval(guess[0], guess[2])
+            length = self.policy.length(guess[2].tolist(), length)
         else:
             # The draft pass runs while the verify pass is being built.
             mx.async_eval([x for x in guess if x is not None])
             if self.policy is not None:
-                self._unseen = guess[1], length
+                self._unseen = guess[2], length
         return self.cut(guess, length)
 
     def guess(self, anchor: mx.array, length: int, pos: int):
-        """The draft pass, lazily: (proposal [length - 1], the confidences
-        when a policy will choose the length, else None)."""
-        t = self.target
+        """The draft pass, lazily: (proposal [length - 1], q or None, the
+        confidences when a policy will choose the length, else None)."""
+        t, q = self.target, None
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
         # mask positions and guesses worse; only length - 1 drafts are verified.
@@ -496,23 +503,29 @@ class _Decoder:
             anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
         )
         self.dstate.pending = None  # now in the draft's cache
-        if self.coupled:  # the target's noise at the same positions
+        if self.sampled and self.noise is not None:  # the target's noise at the same positions
             noise = self.noise(pos, length - 1)
             proposal = self.draw(logits[: length - 1], noise if self.vocab is None else noise[:, self.vocab])
+        elif self.sampled:
+            q = self.dist(logits[: length - 1])
+            proposal = mx.random.categorical(mx.log(q))
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
         conf = confidence(logits[: length - 1]) if self.policy is not None else None
-        return proposal, conf
+        return proposal, q, conf
 
-    def cut(self, guess, length: int) -> Optional[mx.array]:
-        """The first ``length - 1`` tokens of a :meth:`guess`, in the
-        target's vocabulary (None for none)."""
+    def cut(self, guess, length: int):
+        """The first ``length - 1`` tokens of a :meth:`guess` (in the target's
+        vocabulary) and their distributions, or (None, None) for none."""
+        proposal, q, _ = guess
         if length <= 1:
-            return None
-        proposal = guess[0][: length - 1]
+            return None, None
+        proposal = proposal[: length - 1]
+        if q is not None:
+            q = self._full(q[: length - 1])
         if self.vocab is not None:
             proposal = self.vocab[proposal]
-        return proposal.astype(mx.int32)
+        return proposal.astype(mx.int32), q
 
     def commit(self, out: List[int], a: int, f, verified: int, drafted: bool) -> List[int]:
         """Book a verified round whose caches are rolled back: queue the kept
@@ -563,19 +576,26 @@ class _Decoder:
             for c in self.cache:
                 c.trim(1)
 
-    def _choose(self, logits, history, block, proposal, exact=False):
+    def _choose(self, logits, history, block, proposal, exact=False, q=None):
         """The tokens for the block (then the acceptance count and the fast
         path's doubt flag, as a list) and how many drafts they accept: the
-        target's own choices, a draft kept where it equals its position's."""
+        target's own choices, or with ``q`` (the distributions the drafts were
+        sampled from) the p/q rule's tokens."""
         seen = mx.array(history[:-1]) if self.processors else None
         self._verified = logits, seen, block
+        # Sampled rows skip the log-softmax (an exp per entry) unless logits
+        # processors need it: the filters, the softmax and the draw ignore a shift.
+        if q is not None and proposal is not None:
+            p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
+            near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
+            choice, a = speculative(p, q, proposal, near)
+            out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
+            return out, out[block.shape[0]]
         if self.noise is not None:
-            # The draw ignores the log-softmax's shift: skip it (an exp per
-            # entry) unless logits processors need it.
             x = process(logits, seen, block, self.processors) if self.processors else logits
             choice, unsure = self.pick(x, len(history)), mx.array(False)
         elif self.fast and not exact and logits.dtype == mx.float32:
-            x = logits  # softmax ignores the shift: raw logits serve the threshold
+            x = logits
             choice, unsure = greedy(logits)
         else:
             x = process(logits, seen, block, self.processors)
@@ -592,6 +612,14 @@ class _Decoder:
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         return out, out[block.shape[0]]
+
+    def _full(self, q: mx.array) -> mx.array:
+        """Draft probabilities over the target's vocabulary rows."""
+        if self.vocab is None:
+            return q
+        full = mx.zeros((q.shape[0], self.target.vocab_rows), q.dtype)
+        idx = mx.broadcast_to(self.vocab[None], q.shape)
+        return mx.put_along_axis(full, idx, q, axis=-1)
 
 
 class _Clock:

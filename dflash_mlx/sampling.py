@@ -1,14 +1,13 @@
 """Token choice and the acceptance rule.
 
-Sampling draws with Gumbel noise keyed by the seed and the token's position:
-the token at a position is the argmax of the target's filtered, tempered
-logits plus that position's noise, whichever round, block length or process
-computes it. The law is exactly the target's (the Gumbel-max trick), and a
-seeded generation gives the same text at every block size. Draft tokens are
-accepted iff they equal the target's own choices; the first choice that
-differs is the bonus. A draft that samples (``proposal="sample"``) draws with
-the same noise, so where its distribution is close to the target's it
-proposes the token the target will draw.
+The target chooses its own token at every block offset, from exactly the
+distribution plain decoding uses; a draft token is accepted iff it equals the
+target's choice there, and the first choice that differs is the bonus.
+Seeded sampling draws with Gumbel noise keyed by the seed and the token's
+position (:class:`Noise`), so a token is the same whichever round, block
+length or process draws it; a draft that samples then draws with the same
+noise. Unseeded, a sampled draft is verified with the p/q rule
+(:func:`speculative`), which accepts more but draws per round.
 """
 
 import math
@@ -39,9 +38,20 @@ def softmax(x: mx.array) -> mx.array:
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def argmax(x: mx.array) -> mx.array:
-    """Greedy choice over rows [N, V]."""
-    return mx.argmax(x, axis=-1)
+def make_sampler(temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0) -> Sampler:
+    """A sampler over rows of log-probabilities [N, V] -> tokens [N], with the
+    filters and temperature of ``mlx_lm.sample_utils.make_sampler`` (MLX's
+    global generator)."""
+    if temp == 0:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    filters = _filters(top_p, min_p, top_k)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temp))
+
+    return sample
 
 
 def make_draw(
@@ -68,7 +78,9 @@ class Noise:
     continued conversation draws as a fresh run of all its tokens would."""
 
     def __init__(self, seed: int, width: int, held: int = 0):
-        self.base, self.width, self.held = random.Random(seed).getrandbits(32), width, held
+        # (Random takes a negative seed's absolute value.)
+        self.base = random.Random(seed % 2**64).getrandbits(32)
+        self.width, self.held = width, held
         self.start, self.rows = 0, mx.zeros((0, width))
 
     def __call__(self, pos: int, n: int) -> mx.array:
@@ -76,9 +88,10 @@ class Noise:
         if not self.start <= pos <= self.start + self.rows.shape[0]:
             self.start, self.rows = pos, self.rows[:0]
         end = self.start + self.rows.shape[0]
-        self.rows = mx.concatenate([self.rows[pos - self.start :]] + [self._row(p) for p in range(end, pos + n)])
-        self.start = pos
-        return self.rows[:n]
+        if pos + n > end:  # new rows: keep the ones from pos on, add them
+            self.rows = mx.concatenate([self.rows[pos - self.start :]] + [self._row(p) for p in range(end, pos + n)])
+            self.start = pos
+        return self.rows[pos - self.start : pos - self.start + n]
 
     def _row(self, pos: int) -> mx.array:
         key = mx.array([self.base, (self.held + pos) % 2**32], dtype=mx.uint32)
@@ -87,7 +100,11 @@ class Noise:
 
 def held(cache: Optional[list]) -> int:
     """Tokens a prompt cache holds (0 for none)."""
-    return next((c.offset for c in cache or [] if isinstance(getattr(c, "offset", None), int)), 0)
+    for c in cache or []:
+        n = held(c.caches) if hasattr(c, "caches") else getattr(c, "offset", None)
+        if isinstance(n, int) and n:
+            return n
+    return 0
 
 
 def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
@@ -135,6 +152,29 @@ def near_top(probs: mx.array, draft: mx.array, threshold: float) -> mx.array:
     n = draft.shape[0]
     pd = mx.take_along_axis(probs[:n], draft[:, None].astype(mx.int32), axis=-1)[:, 0]
     return pd >= threshold * probs[:n].max(axis=-1)
+
+
+def speculative(p: mx.array, q: mx.array, draft: mx.array, also: Optional[mx.array] = None):
+    """Speculative sampling of draft tokens [L-1] drawn from the rows of
+    ``q`` [L-1, V], against the target's probabilities ``p`` [L, V]: accept
+    each with probability min(1, p/q); at the first rejection draw the bonus
+    from normalise(max(0, p - q)), after all from the last row of ``p``.
+    Drafts flagged in ``also`` are accepted regardless (not exact then).
+    Returns (tokens [L], accepted count): the accepted drafts, then the bonus."""
+    n = draft.shape[0]
+    draft = draft.astype(mx.int32)
+    pd = mx.take_along_axis(p[:n], draft[:, None], axis=-1)[:, 0]
+    qd = mx.take_along_axis(q, draft[:, None], axis=-1)[:, 0]
+    ok = mx.random.uniform(shape=(n,)) * qd < pd
+    if also is not None:
+        ok = ok | also
+    a = mx.cumprod(ok.astype(mx.int32)).sum()
+    rest = mx.concatenate([mx.maximum(p[:n] - q, 0.0), p[n:]])[a]
+    # rest is all zero only where p == q, which never rejects; guard anyway.
+    rest = mx.where(rest.sum() > 0, rest, p[a])
+    bonus = mx.random.categorical(mx.log(rest))
+    tokens = mx.concatenate([draft, bonus.reshape(1).astype(mx.int32)])
+    return mx.where(mx.arange(n + 1) < a, tokens, bonus.astype(mx.int32)), a
 
 
 def process(

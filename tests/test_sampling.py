@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 import pytest
 
 from conftest import ARCHS
-from dflash_mlx.sampling import Noise, accepted, argmax, make_draw
+from dflash_mlx.sampling import Noise, accepted, make_draw, make_sampler
 from util import dflash_tokens, mlx_tokens, runs
 
 TEMP, TOP_K, N = 1.0, 3, 3
@@ -39,28 +39,32 @@ def tv(law, counts, total):
     return 0.5 * sum(abs(law.get(k, 0.0) - counts.get(k, 0) / total) for k in keys)
 
 
-def sampled_law(loaded, draft_for, draws, **kw):
+def sampled_law(loaded, draft_for, draws, seeded=True, **kw):
     """The target's exact law of N tokens, and the counts and rounds of
-    ``draws`` seeded DFlash generations (block 4) with a draft that always
-    guesses the most likely second token."""
+    ``draws`` DFlash generations (block 4; seeded, or after seeding MLX's
+    generator) with a draft that always guesses the most likely second token."""
     model, tok, folder = loaded("qwen3", tied=True)
     prompt = tok.encode("import os\n")
     law = target_law(model, prompt)
     draft = draft_for(folder, mask_token_id=max(law, key=law.get)[1], echo=True)
     counts, rounds = Counter(), []
     for seed in range(draws):
+        mx.random.seed(seed)
         out, rs = dflash_tokens(
             model, draft, tok, prompt, block_size=4, max_tokens=N,
-            temperature=TEMP, top_k=TOP_K, seed=seed, **kw,
+            temperature=TEMP, top_k=TOP_K, seed=seed if seeded else None, **kw,
         )
         counts[tuple(out)] += 1
         rounds += rs[1:]
     return law, counts, rounds
 
 
-def test_sampled_output_matches_target_distribution(loaded, draft_for):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_output_matches_target_distribution(seeded, loaded, draft_for):
+    """Argmax proposals against the target's own draws (position-keyed
+    noise with a seed, MLX's generator without)."""
     draws = 1200
-    law, counts, rounds = sampled_law(loaded, draft_for, draws)
+    law, counts, rounds = sampled_law(loaded, draft_for, draws, seeded, proposal="argmax")
     assert max(r.accepted for r in rounds) > 1, "the draft was never accepted: the test would not test acceptance"
     assert tv(law, counts, draws) < 0.08
 
@@ -95,7 +99,7 @@ def test_acceptance_rule():
     assert accepted(d, mx.array([5, 6, 7, 9])).item() == 3
     assert accepted(d, mx.array([5, 1, 7, 9])).item() == 1
     assert accepted(d, mx.array([0, 6, 7, 9])).item() == 0
-    assert argmax(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
+    assert make_sampler(0.0)(mx.array([[0.1, 2.0, 0.3]])).tolist() == [1]
     top1 = make_draw(1.0, top_k=1)
     noise = Noise(0, 3)
     assert all(top1(mx.array([[0.1, 2.0, 0.3]]), noise(i, 1)).item() == 1 for i in range(20))
@@ -182,7 +186,7 @@ def near_tie_logits(rows=3, vocab=4096):
 def test_greedy_fast_path_agrees_with_exact_path():
     from dflash_mlx.sampling import greedy, process
 
-    exact = argmax
+    exact = make_sampler(0.0)
     for seed in range(20):
         rng = np.random.default_rng(seed)
         logits = mx.array(rng.standard_normal((16, 4160), dtype=np.float32) * 4)
@@ -200,7 +204,7 @@ def test_round_redoes_near_ties_exactly(loaded):
     from dflash_mlx.target import Target
 
     model, _, _ = loaded("qwen3")
-    dec = _Decoder(Target(model), None, argmax, None, None, False, greedy=True)
+    dec = _Decoder(Target(model), None, make_sampler(0.0), None, None, False, greedy=True)
     out, a = dec._choose(near_tie_logits(), [1, 2], mx.array([2, 5, 7]), mx.array([5, 7]))
     # A bare argmax would choose 9 everywhere and accept nothing.
     assert out[:3] == [5, 5, 5] and a == 1

@@ -190,11 +190,14 @@ def test_bad_denoise_steps_are_refused(bad, loaded, draft_for):
 # ------------------------------------------------------------ 4. sampled proposals
 
 
-def test_sampled_proposals_follow_target_law(loaded, draft_for):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_proposals_follow_target_law(seeded, loaded, draft_for):
+    """Drafts drawn with the target's noise (seeded), or verified with the
+    p/q rule (unseeded)."""
     from test_sampling import sampled_law, tv
 
     draws = 1200
-    law, counts, rounds = sampled_law(loaded, draft_for, draws, proposal="sample")
+    law, counts, rounds = sampled_law(loaded, draft_for, draws, seeded, proposal="sample")
     acc = [r.accepted for r in rounds]
     short = sum(r.accepted < r.verified for r in rounds if r.finish_reason is None)
     assert max(acc) > 1 and short, "the test would not test both acceptance and rejection"

@@ -14,7 +14,8 @@ generation. The caches of recent conversations (the
 target's and the draft's context) are kept in a small LRU: a prompt that shares
 a cached token prefix only prefills its new tokens (reported as
 ``usage.prompt_tokens_details.cached_tokens``), with the same output as a fresh
-run (seeded sampling included: a token's draw depends on its position only).
+run (seeded sampling included: a token's draw depends on the seed and its position
+only, up to the target's rounding).
 """
 
 import argparse

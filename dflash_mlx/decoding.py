@@ -287,10 +287,10 @@ def stream_generate(
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
             draft tokens drawn from the draft's distribution (same temperature
             and filters as the target), verified with the p/q rule or, with a
-            ``seed``, drawn with the noise the target draws its token with at
-            the same position. Exact either way. ``None`` (default):
-            ``"sample"`` when sampling with temperature/filters (it accepts
-            more), ``"argmax"`` with a custom sampler.
+            ``seed`` (and under mlx.launch), drawn with the noise the target
+            draws its token with at the same position. Exact either way.
+            ``None`` (default): ``"sample"`` when sampling with
+            temperature/filters, ``"argmax"`` with a custom sampler.
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)

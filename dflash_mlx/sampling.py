@@ -3,11 +3,11 @@
 The target chooses its own token at every block offset, from exactly the
 distribution plain decoding uses; a draft token is accepted iff it equals the
 target's choice there, and the first choice that differs is the bonus.
-Seeded sampling draws with Gumbel noise keyed by the seed and the token's
-position (:class:`Noise`), so a token is the same whichever round, block
-length or process draws it; a draft that samples then draws with the same
-noise. Unseeded, a sampled draft is verified with the p/q rule
-(:func:`speculative`), which accepts more but draws per round.
+Seeded sampling (and any under mlx.launch) draws with Gumbel noise keyed by
+the seed and the token's position (:class:`Noise`), so a token is the same
+whichever round, block length or process draws it; a draft that samples then
+draws with the same noise. Otherwise a sampled draft is verified with the p/q
+rule instead (:func:`speculative`), which accepts more but draws per round.
 """
 
 import math
@@ -108,20 +108,23 @@ def held(cache: Optional[list]) -> int:
 
 
 def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
+    # Rows may be logits up to a shift: min-p and top-k ignore it, and top-p
+    # gets log-probabilities (mlx-lm before 0.32 summed unnormalised mass).
+    # A top-k as wide as the row (a draft's smaller vocabulary) keeps it whole.
     filters = []
     if 0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
+        filters.append(lambda x: apply_top_p(x - mx.logsumexp(x, axis=-1, keepdims=True), top_p))
     if min_p != 0.0:
         filters.append(lambda x: apply_min_p(x, min_p))
     if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
+        filters.append(lambda x: apply_top_k(x, top_k) if top_k < x.shape[-1] else x)
     return filters
 
 
 def _shifted(x: mx.array) -> mx.array:
     # Log-probabilities up to a constant, in float32: raw bf16 logits divided
-    # by a temperature would round coarsely, and top-p's exp would overflow
-    # on logits above ~88. The filters keep the top entry at 0.
+    # by a temperature would round coarsely, and exp would overflow on
+    # logits above ~88.
     x = x.astype(mx.float32)
     return x - x.max(axis=-1, keepdims=True)
 

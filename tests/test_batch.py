@@ -97,9 +97,11 @@ def test_seeded_row_ignores_its_companions(loaded, draft_for):
     batch = Batch(model, draft, tok, "auto")
     key = batch.add(PROMPTS[0], **kw)
     others = [batch.add(p, 40) for p in PROMPTS * 3]
-    toks, _ = run(batch, [key, *others])
+    sampled = [batch.add(p, 40, temperature=0.9, top_p=0.95) for p in PROMPTS]  # p/q rows
+    toks, _ = run(batch, [key, *others, *sampled])
     assert toks[key] == want
     assert [toks[k] for k in others] == [mlx_tokens(model, tok, p, 40) for p in PROMPTS * 3]
+    assert all(len(toks[k]) == 40 or toks[k][-1] in tok.eos_token_ids for k in sampled)
 
 
 def test_prompt_cache_is_refilled(loaded, draft_for):

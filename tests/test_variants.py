@@ -191,13 +191,17 @@ def test_bad_denoise_steps_are_refused(bad, loaded, draft_for):
 
 
 @pytest.mark.parametrize("seeded", [True, False])
-def test_sampled_proposals_follow_target_law(seeded, loaded, draft_for):
+def test_sampled_proposals_follow_target_law(seeded, loaded, draft_for, monkeypatch):
     """Drafts drawn with the target's noise (seeded), or verified with the
     p/q rule (unseeded)."""
+    import dflash_mlx.decoding as decoding
     from test_sampling import sampled_law, tv
 
+    calls, rule = [0], decoding.speculative
+    monkeypatch.setattr(decoding, "speculative", lambda *a: calls.__setitem__(0, calls[0] + 1) or rule(*a))
     draws = 1200
     law, counts, rounds = sampled_law(loaded, draft_for, draws, seeded, proposal="sample")
+    assert (calls[0] == 0) == seeded, calls
     acc = [r.accepted for r in rounds]
     short = sum(r.accepted < r.verified for r in rounds if r.finish_reason is None)
     assert max(acc) > 1 and short, "the test would not test both acceptance and rejection"
@@ -250,9 +254,11 @@ def test_variants_with_a_draft_vocabulary(loaded, tmp_path):
     assert_lossless(model, tok, draft, denoise_steps=2)
     _, rs = dflash_tokens(model, draft, tok, PROMPTS[1], block_size=16, max_tokens=40, denoise_steps=2)
     assert max(r.accepted for r in rs) > 1
-    for seed in range(3):
+    # Seeded (noise over the draft's rows) and not (p/q over the target's
+    # rows); a top-k as wide as the draft's vocabulary keeps its rows whole.
+    for seed in (0, 1, None):
         out, rs = dflash_tokens(model, draft, tok, PROMPTS[1], block_size=16, max_tokens=40,
-                                temperature=0.8, seed=seed, proposal="sample")
+                                temperature=0.8, top_k=len(vocab), seed=seed, proposal="sample")
         assert len(out) == 40 or out[-1] in tok.eos_token_ids
         assert all(t in vocab for r in rs[1:] for t in r.tokens[: r.accepted - 1])
 
@@ -291,9 +297,10 @@ def test_benchmark_draft_bits(loaded, tmp_path, capsys):
     assert code == 0 and res["ok"] and res["config"]["draft_bits"] == 8
 
 
-def test_threshold_with_sampled_proposals(loaded, draft_for):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_threshold_with_sampled_proposals(seeded, loaded, draft_for):
     """Sampled drafts inside the target's top-k pass a tiny threshold; the
-    exact rule alone rejects some of them."""
+    exact rule alone (coupled draws seeded, p/q unseeded) rejects some of them."""
     model, tok, folder = loaded("qwen3", tied=True)
     ids = tok.encode(PROMPTS[1])
     ref, _ = mlx_run(model, tok, PROMPTS[1], 30)
@@ -302,8 +309,9 @@ def test_threshold_with_sampled_proposals(loaded, draft_for):
     for T in (None, 1e-6):
         acc = []
         for seed in range(4):
+            mx.random.seed(seed)
             out, rs = dflash_tokens(model, draft, tok, ids, block_size=8, max_tokens=30, temperature=1.0,
-                                    top_k=3, seed=seed, proposal="sample", accept_threshold=T)
+                                    top_k=3, seed=seed if seeded else None, proposal="sample", accept_threshold=T)
             assert all(r.exact == (T is None) for r in rs)
             acc += [r.accepted for r in rs[1:]]
             if T is not None:

@@ -5,7 +5,8 @@ DFlash ``stream_generate`` (and, with ``--baseline-draft-model``, mlx-lm's own
 speculative decoding) run on the same token ids, the order rotating from one
 prompt to the next. Each temperature of ``--temp`` (default 0 and 0.7) is a
 full pass over the prompts; sampled passes are seeded (``--seed``, default 0)
-so they repeat exactly. At temperature 0 the outputs must be token-identical;
+so they repeat exactly (``--seed none``: DFlash samples unseeded, from MLX's
+generator seeded alike). At temperature 0 the outputs must be token-identical;
 any difference is a failure (exit code 3).
 
 Reported per prompt and in aggregate: decode tok/s (prefill excluded, from
@@ -122,6 +123,7 @@ class Settings:
     num_draft_tokens: int
     processors: Optional[list] = None
     perturb: Optional[list] = None
+    keyed: bool = True  # DFlash gets the seed (else MLX's generator, seeded alike)
 
 
 @dataclass
@@ -210,11 +212,13 @@ def run_dflash(models: Models, ids: List[int], s: Settings, max_tokens=None, pro
     from .decoding import stream_generate
 
     procs = (s.processors or []) + (s.perturb or []) or None
+    if s.seed is not None:
+        mx.random.seed(s.seed)
     mx.reset_peak_memory()
     gen = stream_generate(
         models.model, col.draft if col else models.draft, models.tokenizer, ids,
         block_size=col.block if col else s.block_size, max_tokens=max_tokens or s.max_tokens,
-        temperature=s.temp, seed=s.seed, logits_processors=procs, profile=profile,
+        temperature=s.temp, seed=s.seed if s.keyed else None, logits_processors=procs, profile=profile,
         **(col.options if col else {}),
     )
     run, stamps, items = _drive(gen, lambda r: r.tokens, len(ids))
@@ -436,7 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=block_sizes_arg, default=["auto"],
                    help="DFlash tokens per round: auto (default, adaptive up to the draft's block) or a fixed "
                         "number; a comma-separated list (e.g. 4,8,16,auto) measures each side by side, one column each.")
-    p.add_argument("--seed", type=int, default=None, help="Sampling seed (default: 0 at temperatures > 0).")
+    p.add_argument("--seed", default=None,
+                   help="Sampling seed (default: 0 at temperatures > 0). 'none': DFlash samples unseeded (the "
+                        "p/q rule for sampled drafts), from MLX's generator seeded with 0 before every run.")
     p.add_argument("--draft-bits", type=_list(_bits), default=[None],
                    help="Quantize the DFlash draft's linear layers to this many bits (4 or 8) at load; "
                         "a list such as none,8,4 adds a column for each after the first.")
@@ -519,6 +525,11 @@ def _check(args) -> None:
     if any(not 0 < t <= 1 for t in args.accept_threshold):
         raise BenchmarkError(f"--accept-threshold values must be in (0, 1], got {args.accept_threshold}.")
     parse_temps(args.temp)
+    if args.seed not in (None, "none"):
+        try:
+            args.seed = int(args.seed)
+        except ValueError:
+            raise BenchmarkError(f"--seed must be an integer or 'none', got {args.seed!r}.") from None
     if args.warmup_tokens < 0:
         raise BenchmarkError(f"--warmup-tokens must be >= 0, got {args.warmup_tokens}.")
     for name in ("repetition_penalty", "perturb_dflash"):
@@ -673,7 +684,7 @@ class Bench:
         """This temperature's JSON result."""
         return dict(
             temp=self.s.temp,
-            seed=self.s.seed,
+            seed=self.s.seed if self.s.keyed else "none",
             summary=summarize(self.records, self.runs, self.profs, self.block),
             categories=categories(self.records, self.runs),
             prompts=self.records,
@@ -685,8 +696,9 @@ def _settings(args, temp: float) -> Settings:
 
     procs = make_logits_processors(repetition_penalty=args.repetition_penalty) if args.repetition_penalty else None
     perturb = make_logits_processors(repetition_penalty=args.perturb_dflash) if args.perturb_dflash else None
-    seed = 0 if args.seed is None and temp > 0 else args.seed
-    return Settings(args.max_tokens, temp, main_block(args.block_size), seed, args.num_draft_tokens, procs, perturb)
+    seed = 0 if args.seed in (None, "none") and temp > 0 else args.seed
+    return Settings(args.max_tokens, temp, main_block(args.block_size), seed, args.num_draft_tokens, procs, perturb,
+                    keyed=args.seed != "none")
 
 
 def _config(args, models: Models, block: int, template: bool, cols: List[Column]) -> dict:

@@ -69,7 +69,9 @@ def block_text(c: dict) -> str:
 
 
 def _temp_label(r: dict) -> str:
-    return f"temp {r['temp']:g}" + (f" (seed {r['seed']})" if r["temp"] > 0 and r["seed"] is not None else "")
+    if r["temp"] == 0 or r["seed"] is None:
+        return f"temp {r['temp']:g}"
+    return f"temp {r['temp']:g} " + ("(DFlash unseeded)" if r["seed"] == "none" else f"(seed {r['seed']})")
 
 
 def format_categories(cats: Dict[str, dict]) -> List[str]:

@@ -199,6 +199,7 @@ def test_differing_outputs_fail(pair, tmp_path):
         (["--draft", "/nonexistent/draft"], "/nonexistent/draft"),
         (["--temp", "0,-1"], "--temp values must be >= 0"),
         (["--temp", "0,hot"], "--temp takes comma-separated numbers"),
+        (["--seed", "x"], "--seed must be an integer or 'none'"),
     ],
 )
 def test_bad_input_is_one_line(pair, tmp_path, capsys, extra, message):
@@ -239,6 +240,20 @@ def test_two_temperatures_in_one_run(sampled):
     assert printed.count("category") == 2 and printed.count("identical outputs:") == 2
     assert "identical outputs: 4/4 (required)" in printed
     assert f"temp 0.7 speedup = {hot['speedup_vs_greedy']:.2f}x the greedy one" in printed
+
+
+def test_unseeded_dflash_sampling(pair, tmp_path, capsys, monkeypatch):
+    """--seed none: DFlash samples unseeded (sampled drafts verified with
+    the p/q rule); the default seed draws with the position-keyed noise."""
+    import dflash_mlx.decoding as decoding
+
+    calls, rule = [0], decoding.speculative
+    monkeypatch.setattr(decoding, "speculative", lambda *a: calls.__setitem__(0, calls[0] + 1) or rule(*a))
+    base = ["--temp", "0.7", "--profile", "off", "--warmup-tokens", "0", "--block-size", "4"]
+    assert bm.main(_args(pair, tmp_path / "a.json", *base)) == 0 and calls[0] == 0
+    assert bm.main(_args(pair, tmp_path / "b.json", *base, "--seed", "none")) == 0 and calls[0] > 0
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["results"][0]["seed"] == "none" and "temp 0.7 (DFlash unseeded)" in capsys.readouterr().out
 
 
 def test_seeded_sampling_repeats(sampled):

@@ -438,8 +438,8 @@ class _Decoder:
         return agree(self.pick(x, len(ids))).tolist()
 
     def pick(self, x: mx.array, pos: int) -> mx.array:
-        """The target's tokens for rows ``x`` [n, V] (log-probabilities, or
-        logits when sampling) at positions pos .. pos + n - 1."""
+        """The target's tokens for rows ``x`` [n, V] (log-probabilities; with
+        the position-keyed noise, logits serve too) at positions pos .. pos + n - 1."""
         if self.noise is None:
             return self.sampler(x)
         return self.draw(x, self.noise(pos, x.shape[0]))

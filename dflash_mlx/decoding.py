@@ -433,13 +433,19 @@ class _Decoder:
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        # The draw from raw logits where the rounds use them (see _choose).
-        x = logits[-1:] if self.noise is not None and not self.processors else self.logprobs
-        return agree(self.pick(x, len(ids))).tolist()
+        return agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
 
-    def pick(self, x: mx.array, pos: int) -> mx.array:
-        """The target's tokens for rows ``x`` [n, V] (log-probabilities; with
-        the position-keyed noise, logits serve too) at positions pos .. pos + n - 1."""
+    def rows(self, logits: mx.array, logp: mx.array) -> mx.array:
+        """What the target's choice is made from: the log-probabilities
+        (after logits processors), or the raw logits for the noise's draw
+        without processors (it ignores the log-softmax's shift, and skipping
+        it saves an exp per entry; ``logp`` is then never evaluated)."""
+        return logits if self.noise is not None and not self.processors else logp
+
+    def pick(self, logits: mx.array, logp: mx.array, pos: int) -> mx.array:
+        """The target's tokens for rows [n, V] (see :meth:`rows`) at
+        positions pos .. pos + n - 1."""
+        x = self.rows(logits, logp)
         if self.noise is None:
             return self.sampler(x)
         return self.draw(x, self.noise(pos, x.shape[0]))
@@ -566,7 +572,7 @@ class _Decoder:
         ``pos``), the features and the log-probabilities, lazily."""
         logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
         logp = process(logits[-1:], None, None, None)
-        y = self.pick(logp if self.noise is None else logits[-1:], pos)
+        y = self.pick(logits[-1:], logp, pos)
         return y.astype(token.dtype), f, logp
 
     def settle(self) -> None:
@@ -592,8 +598,8 @@ class _Decoder:
             out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
             return out, out[block.shape[0]]
         if self.noise is not None:
-            x = process(logits, seen, block, self.processors) if self.processors else logits
-            choice, unsure = self.pick(x, len(history)), mx.array(False)
+            logp = process(logits, seen, block, self.processors)  # lazy: see rows()
+            x, choice, unsure = self.rows(logits, logp), self.pick(logits, logp, len(history)), mx.array(False)
         elif self.fast and not exact and logits.dtype == mx.float32:
             x = logits
             choice, unsure = greedy(logits)

@@ -28,8 +28,7 @@ def exp(x: mx.array) -> mx.array:
 
 def exp_shifted(x: mx.array) -> mx.array:
     """exp(x - max(x)) along the last axis, in float32."""
-    x = x.astype(mx.float32)
-    return exp(x - x.max(axis=-1, keepdims=True))
+    return exp(_shifted(x))
 
 
 def softmax(x: mx.array) -> mx.array:
@@ -63,10 +62,7 @@ def make_draw(
     filters = _filters(top_p, min_p, top_k)
 
     def draw(logits: mx.array, noise: mx.array) -> mx.array:
-        x = _shifted(logits)
-        for f in filters:
-            x = f(x)
-        return mx.argmax(x * (1.0 / temp) + noise, axis=-1)
+        return mx.argmax(_filtered(logits, filters) * (1.0 / temp) + noise, axis=-1)
 
     return draw
 
@@ -129,6 +125,13 @@ def _shifted(x: mx.array) -> mx.array:
     return x - x.max(axis=-1, keepdims=True)
 
 
+def _filtered(x: mx.array, filters: List[Callable]) -> mx.array:
+    x = _shifted(x)
+    for f in filters:
+        x = f(x)
+    return x
+
+
 def make_distribution(
     temp: float = 0.0, top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0
 ) -> Callable[[mx.array], mx.array]:
@@ -140,10 +143,7 @@ def make_distribution(
     filters = _filters(top_p, min_p, top_k)
 
     def dist(logprobs: mx.array) -> mx.array:
-        x = _shifted(logprobs)
-        for f in filters:
-            x = f(x)
-        e = exp(x * (1.0 / temp))
+        e = exp(_filtered(logprobs, filters) * (1.0 / temp))
         return e / e.sum(axis=-1, keepdims=True)
 
     return dist

@@ -154,11 +154,12 @@ def regen_prompts(tokenizer, records: List[Dict], seq_len: int, prompt_len: int)
 
 
 def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch: int = 32,
-               progress=None, on_sequence=None) -> List[Sequence]:
+               progress=None, on_sequence=None, sampler=None) -> List[Sequence]:
     """The target's greedy continuation of each prompt (up to ``max_tokens``
     tokens, an ending EOS kept), as Sequences whose targets are the generated
     tokens. mlx-lm's continuous batching runs up to ``batch`` prompts at a
-    time; ``on_sequence(i, seq)`` is called as each one finishes."""
+    time; ``on_sequence(i, seq)`` is called as each one finishes. An mlx-lm
+    ``sampler`` draws the tokens instead of the argmax."""
     from mlx_lm.generate import BatchGenerator
 
     if batch < 1:
@@ -167,8 +168,9 @@ def regenerate(model, prompts: List[List[int]], max_tokens: int, eos: set, batch
     # waves (when half the batch is free) rather than one per finished row,
     # shortest first so a wave's prompts pad little.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    kw = {"sampler": sampler} if sampler is not None else {}
     gen = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos)],
-                         completion_batch_size=batch, prefill_batch_size=batch)
+                         completion_batch_size=batch, prefill_batch_size=batch, **kw)
     out: List[Optional[Sequence]] = [None] * len(prompts)
     index: Dict[int, int] = {}
     made: Dict[int, List[int]] = {}

@@ -59,8 +59,19 @@ class FeatureStore:
                 m = min(n + 64, keep)
                 out[n:m] = prev[n:m]
             del prev
+        # A sequence met before (a repeated record weighs more in training)
+        # copies its first row's features instead of computing them again.
+        first, copies, order = {}, [], []
+        for i, s in enumerate(seqs):
+            k = tuple(s.tokens[:seq_len])
+            if k not in first:
+                first[k] = i
+                if i >= keep:
+                    order.append(i)
+            elif i >= keep:
+                copies.append((i, first[k]))
         # Sequences of similar length share a batch, so little padding is computed.
-        order = sorted(range(keep, len(seqs)), key=lambda i: len(seqs[i].tokens))
+        order.sort(key=lambda i: len(seqs[i].tokens))
         for n in range(0, len(order), batch):
             rows = order[n : n + batch]
             S = min(seq_len, max(len(seqs[i].tokens) for i in rows))
@@ -72,6 +83,10 @@ class FeatureStore:
             out[rows, :S] = np.array(f.astype(mx.float16))
             if progress is not None:
                 progress(keep + n + len(rows), toks.size)
+        for i, j in copies:
+            out[i] = out[j]
+        if copies and progress is not None:
+            progress(len(seqs), 0)
         out.flush()
         del out
         tmp.replace(data)

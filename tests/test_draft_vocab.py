@@ -175,6 +175,11 @@ def test_feature_store_extended_computes_only_new_rows(loaded, tmp_path):
         toks = seqs[i].tokens[:S]
         want = np.array(t.hidden(mx.array([toks]), layers)[1][0])
         np.testing.assert_allclose(got[i, : len(toks)], want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+    # Repeated sequences (a record weighing more) copy the row met first,
+    # whether kept or computed in this build.
+    store = FeatureStore(tmp_path, seqs + [seqs[1], seqs[5]], t, layers, S, pad=0, batch=2)
+    got = np.array(store.batch(list(range(8)), S))
+    assert (got[6] == 7.0).all() and (got[7] == got[5]).all() and np.abs(got[7]).sum() > 0
     # Other leading sequences: nothing is kept.
     store = FeatureStore(tmp_path, seqs[1:] + seqs[:1], t, layers, S, pad=0, batch=2)
     assert not (np.array(store.batch([0], S)) == 7.0).all()

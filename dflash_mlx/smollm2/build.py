@@ -3,6 +3,9 @@
 Stages (``--stages``, comma-separated, run in this order):
 
 - ``prompts``: ``--prompts`` instruction prompts from :mod:`.prompts` (seeded);
+- ``written``: ``--written`` more prompts whose user text the target itself
+  writes (:mod:`.written`, seeded), each listed ``--repeat`` times so that
+  training draws them that much more often (their features are computed once);
 - ``regen``: the target answers each one greedily (``--regen-tokens`` at
   most); answers are kept in the work folder as they finish, so an
   interrupted run loses none and a rerun only makes the missing ones;
@@ -43,6 +46,30 @@ def train_args(work: Path, args) -> list:
     return out
 
 
+def written(work: Path, args, make: bool) -> list:
+    """The first ``--written`` target-written prompts of the work folder,
+    written there first when ``make`` and there are too few (none of them a
+    held-out prompt)."""
+    path = work / "written.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    if len(rows) < args.written and make:
+        from .. import load
+        from ..train import Progress
+        from .written import written_prompts
+
+        model, tok = load("smollm2")
+        held = {json.loads(l)["prompt"].strip() for l in HELDOUT.read_text().splitlines() if l.strip()}
+        bar = Progress(args.written, "written")
+        rows = [r for r in written_prompts(model, tok, args.written, args.seed, progress=bar.update)
+                if r["messages"][0]["content"] not in held]
+        bar.close()
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        print(f"{len(rows)} prompts written by the target", file=sys.stderr)
+    if len(rows) < args.written:
+        print(f"note: {path} holds {len(rows)} written prompts (asked for {args.written})", file=sys.stderr)
+    return rows[: args.written]
+
+
 def evaluate(n: int, max_tokens: int) -> float:
     """Greedy tau of the installed draft over the first ``n`` held-out prompts."""
     from .. import load, load_draft
@@ -63,8 +90,11 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="build/smollm2", help="Work folder (prompts, answers, features, checkpoints).")
-    p.add_argument("--stages", default="prompts,regen,train,install,eval")
+    p.add_argument("--stages", default="prompts,regen,train,install,eval",
+                   help="Comma-separated: prompts, written, regen, train, install, eval.")
     p.add_argument("--prompts", type=int, default=2000)
+    p.add_argument("--written", type=int, default=0, help="Prompts written by the target (after the template ones).")
+    p.add_argument("--repeat", type=int, default=1, help="How many times each written prompt is listed.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=60.0, help="Training time of the train stage.")
     p.add_argument("--lr", type=float, default=6e-4)
@@ -77,11 +107,13 @@ def main(argv=None) -> int:
 
     def run() -> int:
         work.mkdir(parents=True, exist_ok=True)
-        if "prompts" in stages:
+        if "prompts" in stages or "written" in stages:
             from .prompts import training_prompts
 
             # The first N of a fixed pool, so a larger N extends a smaller one.
             rows = training_prompts(max(args.prompts, POOL), args.seed)[: args.prompts]
+            if args.written:
+                rows += written(work, args, "written" in stages) * args.repeat
             (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         if "regen" in stages:
             code = train_main(train_args(work, args) + ["--prepare-only"])

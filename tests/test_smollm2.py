@@ -37,3 +37,19 @@ def test_embedded_draft_is_lossless_and_accepts(pair):
                 rounds += out[-1].rounds
                 committed += out[-1].committed
     assert committed / rounds > TAU_GUARD
+
+
+def test_target_written_prompts(pair):
+    from dflash_mlx.smollm2.written import turn_prefix, written_prompts
+
+    model, tok, _ = pair
+    rows = written_prompts(model, tok, 8, seed=3, batch=8)
+    assert rows == written_prompts(model, tok, 8, seed=3, batch=8)  # seeded
+    assert 4 <= len(rows) <= 8
+    texts = [r["messages"][0]["content"] for r in rows]
+    assert len(set(texts)) == len(texts)
+    for r, text in zip(rows, texts):
+        assert r["category"] == "written" and len(r["messages"]) == 1 and len(text.split()) >= 3
+        # The user's turn as the template writes it around the sampled text.
+        chat = tok.apply_chat_template(r["messages"], tokenize=False)
+        assert chat.startswith(turn_prefix(tok) + text)

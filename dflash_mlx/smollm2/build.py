@@ -64,8 +64,9 @@ def written(work: Path, args, make: bool) -> list:
                 if r["messages"][0]["content"] not in held]
         bar.close()
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        print(f"{len(rows)} prompts written by the target", file=sys.stderr)
-    if len(rows) < args.written:
+        print(f"{len(rows)} prompts written by the target (unfinished, short and repeated ones dropped)",
+              file=sys.stderr)
+    elif len(rows) < args.written:
         print(f"note: {path} holds {len(rows)} written prompts (asked for {args.written})", file=sys.stderr)
     return rows[: args.written]
 

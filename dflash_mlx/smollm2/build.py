@@ -48,11 +48,14 @@ def train_args(work: Path, args) -> list:
 
 def written(work: Path, args, make: bool) -> list:
     """The first ``--written`` target-written prompts of the work folder,
-    written there first when ``make`` and there are too few (none of them a
-    held-out prompt)."""
-    path = work / "written.jsonl"
+    written there first when ``make`` and the folder holds none made for
+    this many with this seed (none of them is a held-out prompt)."""
+    path, meta = work / "written.jsonl", work / "written.json"
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
-    if len(rows) < args.written and make:
+    asked = json.loads(meta.read_text()) if meta.exists() and rows else {}
+    # Some of the target's texts are dropped, so a file made for this request
+    # (or a larger one) may hold fewer rows than asked: it is kept all the same.
+    if make and not (asked.get("seed") == args.seed and asked.get("asked", 0) >= args.written):
         from .. import load
         from ..train import Progress
         from .written import written_prompts
@@ -64,6 +67,7 @@ def written(work: Path, args, make: bool) -> list:
                 if r["messages"][0]["content"] not in held]
         bar.close()
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        meta.write_text(json.dumps({"asked": args.written, "seed": args.seed}) + "\n")
         print(f"{len(rows)} prompts written by the target (unfinished, short and repeated ones dropped)",
               file=sys.stderr)
     elif len(rows) < args.written:

@@ -215,8 +215,8 @@ class Batch:
         logits, f, _ = self.target.forward(tokens, self.cache, self.target_layers)
         kept = []
         for i, row in enumerate(rows):
-            n = blocks[i].shape[0]
             p, q = props[i]
+            n = blocks[i].shape[0]
             kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
         for i, row in enumerate(rows):

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_draft, make_target  # noqa: E402
+from util import count_pq  # noqa: E402
 
 from dflash_mlx import benchmark as bm  # noqa: E402
 from dflash_mlx.datasets import DatasetError, load_samples, pick_file, read_jsonl  # noqa: E402
@@ -245,10 +246,7 @@ def test_two_temperatures_in_one_run(sampled):
 def test_unseeded_dflash_sampling(pair, tmp_path, capsys, monkeypatch):
     """--seed none: DFlash samples unseeded (sampled drafts verified with
     the p/q rule); the default seed draws with the position-keyed noise."""
-    import dflash_mlx.decoding as decoding
-
-    calls, rule = [0], decoding.speculative
-    monkeypatch.setattr(decoding, "speculative", lambda *a: calls.__setitem__(0, calls[0] + 1) or rule(*a))
+    calls = count_pq(monkeypatch)
     base = ["--temp", "0.7", "--profile", "off", "--warmup-tokens", "0", "--block-size", "4"]
     assert bm.main(_args(pair, tmp_path / "a.json", *base)) == 0 and calls[0] == 0
     assert bm.main(_args(pair, tmp_path / "b.json", *base, "--seed", "none")) == 0 and calls[0] > 0

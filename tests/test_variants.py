@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from tiny import make_draft
-from util import dflash_tokens, mlx_run, runs
+from util import count_pq, dflash_tokens, mlx_run, runs
 
 from dflash_mlx import GenerationArgumentError, load_draft
 from dflash_mlx.errors import DraftConfigError, DraftWeightsError
@@ -194,11 +194,9 @@ def test_bad_denoise_steps_are_refused(bad, loaded, draft_for):
 def test_sampled_proposals_follow_target_law(seeded, loaded, draft_for, monkeypatch):
     """Drafts drawn with the target's noise (seeded), or verified with the
     p/q rule (unseeded)."""
-    import dflash_mlx.decoding as decoding
     from test_sampling import sampled_law, tv
 
-    calls, rule = [0], decoding.speculative
-    monkeypatch.setattr(decoding, "speculative", lambda *a: calls.__setitem__(0, calls[0] + 1) or rule(*a))
+    calls = count_pq(monkeypatch)
     draws = 1200
     law, counts, rounds = sampled_law(loaded, draft_for, draws, seeded, proposal="sample")
     assert (calls[0] == 0) == seeded, calls

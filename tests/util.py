@@ -27,6 +27,20 @@ def dflash_tokens(model, draft, tokenizer, prompt, **kw):
     return out, responses
 
 
+def count_pq(monkeypatch) -> List[int]:
+    """A one-item list counting the calls of the p/q rule in decoding."""
+    import dflash_mlx.decoding as decoding
+
+    calls, rule = [0], decoding.speculative
+
+    def counted(*a):
+        calls[0] += 1
+        return rule(*a)
+
+    monkeypatch.setattr(decoding, "speculative", counted)
+    return calls
+
+
 def runs(tokens: List[int], length: int = 3) -> List[int]:
     """Tokens that repeat at least ``length`` times in a row."""
     found, n = [], 1

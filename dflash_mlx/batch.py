@@ -24,6 +24,7 @@ from .draft import DFlashDraft
 from .errors import GenerationArgumentError, UnsupportedModelError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
+from .proposal import Tuner
 from .rollback import rollback_rows, trims_exactly
 from .sampling import Noise, held, make_distribution, make_draw, make_sampler
 from .target import Target
@@ -100,7 +101,8 @@ class Batch:
         dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k), None, list(cache),
                        False, draft_cache, greedy=temperature == 0, dist=make_distribution(temperature, top_p, min_p, top_k),
                        draw=make_draw(temperature, top_p, min_p, top_k) if noise else None, noise=noise,
-                       sampled=self.draft is not None and temperature > 0)
+                       tuner=Tuner(temperature, top_p, min_p, top_k).recall(self.draft)
+                       if self.draft is not None and temperature > 0 and self.top > 1 else None)
         if self.bs == "auto":
             dec.policy = Policy(self._share(1), self.top)
             dec.policy.recall(self.draft)
@@ -148,6 +150,8 @@ class Batch:
             mx.eval(arrays)
         if row.dec.policy is not None:
             row.dec.policy.remember(self.draft)
+        if row.dec.tuner is not None:
+            row.dec.tuner.remember(self.draft)
 
     def clear(self) -> None:
         """Drop every row at once (their prompt caches are left unfilled)."""

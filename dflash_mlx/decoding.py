@@ -15,6 +15,7 @@ from .draft import DFlashDraft, confidence
 from .errors import GenerationArgumentError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
+from .proposal import Tuner
 from .rollback import rollback, trims_exactly
 from .sampling import (
     Noise,
@@ -285,8 +286,9 @@ def stream_generate(
             after each pass the surest guesses stay, the rest is masked again).
             The output stays exact.
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
-            draft tokens drawn from the draft's distribution (same temperature
-            and filters as the target), verified with the p/q rule or, with a
+            draft tokens drawn from the draft's distribution (the target's
+            filters, at a multiple of its temperature tuned as it goes, see
+            :mod:`dflash_mlx.proposal`), verified with the p/q rule or, with a
             ``seed`` (and under mlx.launch), drawn with the noise the target
             draws its token with at the same position. Exact either way.
             ``None`` (default): ``"sample"`` when sampling with
@@ -313,6 +315,9 @@ def stream_generate(
         if seed is None:  # every rank must draw the same drafts: rank 0's fresh seed
             seed = agree(mx.array([random.getrandbits(30)])).item()
         noise = Noise(seed, target.vocab_rows, held(prompt_cache))
+    tuner = None
+    if sampled and proposal != "argmax" and top > 1:
+        tuner = Tuner(temperature, top_p, min_p, top_k).recall(draft)
     dec = _Decoder(
         target,
         draft if top > 1 else None,
@@ -327,7 +332,7 @@ def stream_generate(
         dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
         draw=make_draw(temperature, top_p, min_p, top_k) if noise is not None else None,
         noise=noise,
-        sampled=sampled and proposal != "argmax",
+        tuner=tuner,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -383,6 +388,8 @@ def stream_generate(
                 dec.settle()
             if dec.policy is not None:
                 dec.policy.remember(draft)
+            if dec.tuner is not None:
+                dec.tuner.remember(draft)
 
 
 class _Decoder:
@@ -390,13 +397,13 @@ class _Decoder:
 
     def __init__(
         self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False,
-        threshold=None, steps=1, dist=None, draw=None, noise=None, sampled=False,
+        threshold=None, steps=1, dist=None, draw=None, noise=None, tuner=None,
     ):
         self.target, self.draft = target, draft
         self.threshold, self.steps, self.dist = threshold, steps, dist or make_distribution()
-        # Seeded sampling draws with position-keyed noise (a sampled draft too);
-        # a sampled draft without it is verified with the p/q rule.
-        self.draw, self.noise, self.sampled = draw, noise, sampled
+        # Seeded sampling draws with position-keyed noise (a sampled draft too,
+        # through the tuner); a sampled draft without it is verified with the p/q rule.
+        self.draw, self.noise, self.tuner = draw, noise, tuner
         self.sampler, self.processors, self.profile = sampler, processors, profile
         self.fast = greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
@@ -509,12 +516,11 @@ class _Decoder:
             anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
         )
         self.dstate.pending = None  # now in the draft's cache
-        if self.sampled and self.noise is not None:  # the target's noise at the same positions
+        if self.tuner is not None and self.noise is not None:  # the target's noise at the same positions
             noise = self.noise(pos, length - 1)
-            proposal = self.draw(logits[: length - 1], noise if self.vocab is None else noise[:, self.vocab])
-        elif self.sampled:
-            q = self.dist(logits[: length - 1])
-            proposal = mx.random.categorical(mx.log(q))
+            proposal = self.tuner.draw(logits[: length - 1], noise if self.vocab is None else noise[:, self.vocab])
+        elif self.tuner is not None:
+            proposal, q = self.tuner.sample(logits[: length - 1])
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
         conf = confidence(logits[: length - 1]) if self.policy is not None else None
@@ -596,6 +602,7 @@ class _Decoder:
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, near)
             out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
+            self._tune(out[block.shape[0]], proposal.shape[0], p, probs=True)
             return out, out[block.shape[0]]
         if self.noise is not None:
             logp = process(logits, seen, block, self.processors)  # lazy: see rows()
@@ -617,7 +624,17 @@ class _Decoder:
         out = agree(mx.concatenate([choice.astype(mx.int32), tail]), block).tolist()
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
+        if proposal is not None and self.noise is not None:
+            self._tune(out[block.shape[0]], proposal.shape[0], x)
         return out, out[block.shape[0]]
+
+    def _tune(self, a: int, n: int, x: mx.array, probs: bool = False) -> None:
+        """Teach the tuner (if the drafts were sampled) from a round that
+        accepted ``a`` of ``n`` drafts, given the target's rows ``x``: what
+        :meth:`pick` draws from, or with ``probs`` its probabilities."""
+        if self.tuner is not None:
+            rows = min(a + 1, n)
+            self.tuner.learn(rows, x[:rows] if probs else self.dist(x[:rows]), self.vocab)
 
     def _full(self, q: mx.array) -> mx.array:
         """Draft probabilities over the target's vocabulary rows."""

@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--denoise-steps", type=int, default=1, metavar="K",
                    help="Draft passes per round: after each, keep its surest guesses and re-mask the rest.")
     p.add_argument("--proposal", choices=("argmax", "sample"), default=None,
-                   help="Draft tokens when sampling: drawn from the draft (the default; verified with the "
-                        "p/q rule, or with --seed drawn with the target's own noise), or the draft's argmax.")
+                   help="Draft tokens when sampling: drawn from the draft at a temperature tuned as it goes "
+                        "(the default; verified with the p/q rule, or with --seed drawn with the target's own "
+                        "noise), or the draft's argmax.")
     add_pipeline_arg(p)
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(

@@ -139,15 +139,14 @@ class Policy:
 
     def recall(self, draft) -> "Policy":
         """Go on from where the last generation with ``draft`` left off."""
-        for k, v in _learnt.get(id(draft), {}).items():
+        for k, v in memo(draft).get("policy", {}).items():
             setattr(self, k, list(v) if isinstance(v, list) else v)
         return self
 
     def remember(self, draft) -> None:
         """Keep what this generation learnt for the next one with ``draft``."""
-        if id(draft) not in _learnt:
-            weakref.finalize(draft, _learnt.pop, id(draft), None)
-        _learnt[id(draft)] = {k: getattr(self, k) for k in ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials")}
+        keys = ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials")
+        memo(draft)["policy"] = {k: getattr(self, k) for k in keys}
 
     @staticmethod
     def forget(draft) -> None:
@@ -238,8 +237,19 @@ class Policy:
             self.wait = 0
 
 
-# id(draft) -> what the policy of its last generation had learnt.
+# id(draft) -> what its generations learnt (see memo).
 _learnt: Dict[int, dict] = {}
+
+
+def memo(draft) -> dict:
+    """What generations with ``draft`` learnt (the policy's state, the
+    proposal's temperature), kept while the draft lives."""
+    if id(draft) not in _learnt:
+        _learnt[id(draft)] = {}
+        weakref.finalize(draft, _learnt.pop, id(draft), None)
+    return _learnt[id(draft)]
+
+
 # (id(model), id(draft)) -> costs measured by all ranks of a distributed run.
 _measured: Dict[tuple, Costs] = {}
 

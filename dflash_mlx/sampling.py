@@ -59,12 +59,20 @@ def make_draw(
     """Tokens [N] from logit rows [N, V] (any shift per row) and Gumbel noise
     rows [N, V]: a draw from the distribution of ``mlx_lm.sample_utils.make_sampler``
     with these filters and temperature."""
-    filters = _filters(top_p, min_p, top_k)
+    filt = make_filter(top_p, min_p, top_k)
 
     def draw(logits: mx.array, noise: mx.array) -> mx.array:
-        return mx.argmax(_filtered(logits, filters) * (1.0 / temp) + noise, axis=-1)
+        return mx.argmax(filt(logits) * (1.0 / temp) + noise, axis=-1)
 
     return draw
+
+
+def make_filter(top_p: float = 0.0, min_p: float = 0.0, top_k: int = 0) -> Callable[[mx.array], mx.array]:
+    """Rows of logits or log-probabilities [N, V] -> float32 log-probabilities
+    up to a shift per row, with the filters of ``mlx_lm.sample_utils.make_sampler``
+    applied (what they remove is -inf)."""
+    filters = _filters(top_p, min_p, top_k)
+    return lambda x: _filtered(x, filters)
 
 
 class Noise:
@@ -140,10 +148,10 @@ def make_distribution(
     shift); at temperature 0 the plain softmax."""
     if temp == 0:
         return softmax
-    filters = _filters(top_p, min_p, top_k)
+    filt = make_filter(top_p, min_p, top_k)
 
     def dist(logprobs: mx.array) -> mx.array:
-        e = exp(_filtered(logprobs, filters) * (1.0 / temp))
+        e = exp(filt(logprobs) * (1.0 / temp))
         return e / e.sum(axis=-1, keepdims=True)
 
     return dist

@@ -9,10 +9,10 @@ import pytest
 from tiny import make_draft
 from util import count_pq, dflash_tokens, mlx_run, runs
 
-from dflash_mlx import GenerationArgumentError, load_draft
+from dflash_mlx import GenerationArgumentError, load_draft, proposal
 from dflash_mlx.errors import DraftConfigError, DraftWeightsError
 from dflash_mlx.loading import save_draft
-from dflash_mlx.policy import Costs
+from dflash_mlx.policy import Costs, memo
 
 PROMPTS = ["def foo(x):\n    return", "import os\n"]
 COSTS = Costs(draft=0.3, verify={1: 1.0, 16: 1.5})
@@ -190,12 +190,15 @@ def test_bad_denoise_steps_are_refused(bad, loaded, draft_for):
 # ------------------------------------------------------------ 4. sampled proposals
 
 
-@pytest.mark.parametrize("seeded", [True, False])
-def test_sampled_proposals_follow_target_law(seeded, loaded, draft_for, monkeypatch):
+@pytest.mark.parametrize("seeded,scales", [(True, None), (False, None), (False, (0.0,))])
+def test_sampled_proposals_follow_target_law(seeded, scales, loaded, draft_for, monkeypatch):
     """Drafts drawn with the target's noise (seeded), or verified with the
-    p/q rule (unseeded)."""
+    p/q rule (unseeded), at the tuned temperature; and at s = 0 alone (the
+    p/q rule with a one-hot q)."""
     from test_sampling import sampled_law, tv
 
+    if scales is not None:
+        monkeypatch.setattr(proposal, "SCALES", scales)
     calls = count_pq(monkeypatch)
     draws = 1200
     law, counts, rounds = sampled_law(loaded, draft_for, draws, seeded, proposal="sample")
@@ -214,12 +217,43 @@ def test_sampled_proposals_are_reproducible_and_private(loaded, draft_for):
     state = np.array(mx.random.state[0])
     kw = dict(block_size=4, max_tokens=20, temperature=0.9, top_p=0.95, seed=11, proposal="sample")
     a, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **kw)
+    # The second run starts from what the first taught the tuner: other
+    # proposals, the same text.
+    score = np.array(memo(draft)[("tuner", 0.9, 0.95, 0.0, 0)])
+    assert (score != np.array(proposal.Tuner(0.9).score)).any()
     b, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **kw)
     c, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **{**kw, "seed": 12})
     assert a == b and a != c
     assert (np.array(mx.random.state[0]) == state).all()
     d, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **{**kw, "block_size": "auto", "costs": COSTS})
     assert len(d) == 20
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+@pytest.mark.parametrize("c", [0.5, 2.0])
+def test_tuner_finds_the_draft_temperature(seeded, c):
+    """A draft whose logits are c times the target's draws at c times the
+    target's temperature, as learnt from the rows verified (the p/q rule's
+    sum min(p, q), whichever way the drafts are drawn)."""
+    temp, vocab = 0.8, mx.array([3, 0, 5, 7, 1, 2])
+    tuner = proposal.Tuner(temp)
+    assert proposal.SCALES[int(mx.argmax(tuner.score))] == 1.0
+    mx.random.seed(0)
+    for _ in range(30):
+        z = 3 * mx.random.normal((4, 8))
+        rows = z[:, vocab]
+        if seeded:
+            tuner.draw(c * rows, mx.random.gumbel((4, vocab.shape[0])))
+        else:
+            tokens, q = tuner.sample(c * rows)
+            assert q.shape == rows.shape and mx.allclose(q.sum(axis=-1), mx.ones(4))
+        tuner.learn(3, mx.softmax(z / temp, axis=-1), vocab)
+    assert proposal.SCALES[int(mx.argmax(tuner.score))] == c
+    # s = 0 draws the argmax; its q is one-hot.
+    tuner.score = (tuner.scales == 0).astype(mx.float32)
+    tokens, q = tuner.sample(rows)
+    assert (tokens == mx.argmax(rows, axis=-1)).all() and (q.max(axis=-1) == 1).all()
+    assert (tuner.draw(rows, 10 * mx.random.gumbel(rows.shape)) == mx.argmax(rows, axis=-1)).all()
 
 
 def test_sampled_proposals_greedy_unchanged(loaded, draft_for):

@@ -386,10 +386,7 @@ def stream_generate(
             # A step queued ahead (plain steps run pipelined) leaves the caches.
             with target.lock, mx.stream(generation_stream):
                 dec.settle()
-            if dec.policy is not None:
-                dec.policy.remember(draft)
-            if dec.tuner is not None:
-                dec.tuner.remember(draft)
+            dec.remember(draft)
 
 
 class _Decoder:
@@ -483,6 +480,13 @@ class _Decoder:
         clock.lap("accept", [c.state for c in self.cache])
         self.timing = clock.laps if self.profile else None
         return out
+
+    def remember(self, draft) -> None:
+        """Keep what the policy and the tuner learnt for the next generation
+        with ``draft``."""
+        for part in (self.policy, self.tuner):
+            if part is not None:
+                part.remember(draft)
 
     def drafts(self, length: int) -> bool:
         """Whether a round of ``length`` runs the draft (else a plain step)."""

@@ -18,15 +18,13 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .decoding import DraftCache, GenerationResponse, _check_args, _check_vocab, _Decoder, _prompt_ids, _take
+from .decoding import DraftCache, GenerationResponse, _check_args, _check_vocab, _Decoder, _prompt_ids, _take, _drawing
 from .distributed import group
 from .draft import DFlashDraft
 from .errors import GenerationArgumentError, UnsupportedModelError
 from .loading import check_compatible
 from .policy import Costs, Policy, cached_costs
-from .proposal import Tuner
 from .rollback import rollback_rows, trims_exactly
-from .sampling import Noise, held, make_distribution, make_draw, make_sampler
 from .target import Target
 
 
@@ -97,12 +95,8 @@ class Batch:
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
-        noise = Noise(seed, self.target.vocab_rows, held(cache)) if seed is not None and temperature > 0 else None
-        dec = _Decoder(self.target, self.draft, make_sampler(temperature, top_p, min_p, top_k), None, list(cache),
-                       False, draft_cache, greedy=temperature == 0, dist=make_distribution(temperature, top_p, min_p, top_k),
-                       draw=make_draw(temperature, top_p, min_p, top_k) if noise else None, noise=noise,
-                       tuner=Tuner(temperature, top_p, min_p, top_k).recall(self.draft)
-                       if self.draft is not None and temperature > 0 and self.top > 1 else None)
+        dec = _Decoder(self.target, self.draft, None, list(cache), False, draft_cache,
+                       **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed))
         if self.bs == "auto":
             dec.policy = Policy(self._share(1), self.top)
             dec.policy.recall(self.draft)

@@ -310,29 +310,19 @@ def stream_generate(
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
         )
-    noise, sampled = None, sampler is None and temperature > 0
-    if sampled and (seed is not None or group() is not None):
-        if seed is None:  # every rank must draw the same drafts: rank 0's fresh seed
-            seed = agree(mx.array([random.getrandbits(30)])).item()
-        noise = Noise(seed, target.vocab_rows, held(prompt_cache))
-    tuner = None
-    if sampled and proposal != "argmax" and top > 1:
-        tuner = Tuner(temperature, top_p, min_p, top_k).recall(draft)
+    if sampler is None and temperature > 0 and seed is None and group() is not None:
+        seed = agree(mx.array([random.getrandbits(30)])).item()  # every rank draws the same drafts
     dec = _Decoder(
         target,
         draft if top > 1 else None,
-        sampler or make_sampler(temperature, top_p, min_p, top_k),
         logits_processors,
         prompt_cache,
         profile,
         draft_cache,
-        greedy=sampler is None and temperature == 0,
         threshold=accept_threshold,
         steps=denoise_steps,
-        dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
-        draw=make_draw(temperature, top_p, min_p, top_k) if noise is not None else None,
-        noise=noise,
-        tuner=tuner,
+        **_drawing(target, draft if top > 1 else None, prompt_cache, temperature, top_p, min_p, top_k,
+                  seed, sampler, proposal),
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -389,11 +379,32 @@ def stream_generate(
             dec.remember(draft)
 
 
+def _drawing(target: Target, draft: Optional[DFlashDraft], cache: Optional[list], temperature: float,
+            top_p: float, min_p: float, top_k: int, seed: Optional[int], sampler: Optional[Sampler] = None,
+            proposal: Optional[str] = None) -> dict:
+    """How a generation draws its tokens, as :class:`_Decoder` arguments:
+    the sampler (``sampler``, else mlx-lm's for these settings), the
+    distribution drafts are verified against, with ``seed`` the
+    position-keyed noise and its draw, and for a drafting ``draft`` that
+    samples its proposals the tuner of their temperature."""
+    sampled = sampler is None and temperature > 0
+    noise = Noise(seed, target.vocab_rows, held(cache)) if sampled and seed is not None else None
+    tune = sampled and draft is not None and proposal != "argmax"
+    return dict(
+        sampler=sampler or make_sampler(temperature, top_p, min_p, top_k),
+        greedy=sampler is None and temperature == 0,
+        dist=make_distribution(0.0 if sampler is not None else temperature, top_p, min_p, top_k),
+        draw=make_draw(temperature, top_p, min_p, top_k) if noise is not None else None,
+        noise=noise,
+        tuner=Tuner(temperature, top_p, min_p, top_k).recall(draft) if tune else None,
+    )
+
+
 class _Decoder:
     """The target, the draft and their caches for one generation."""
 
     def __init__(
-        self, target, draft, sampler, processors, cache, profile, dstate=None, greedy=False,
+        self, target, draft, processors, cache, profile, dstate=None, sampler=None, greedy=False,
         threshold=None, steps=1, dist=None, draw=None, noise=None, tuner=None,
     ):
         self.target, self.draft = target, draft

@@ -204,7 +204,7 @@ def test_round_redoes_near_ties_exactly(loaded):
     from dflash_mlx.target import Target
 
     model, _, _ = loaded("qwen3")
-    dec = _Decoder(Target(model), None, make_sampler(0.0), None, None, False, greedy=True)
+    dec = _Decoder(Target(model), None, None, None, False, sampler=make_sampler(0.0), greedy=True)
     out, a = dec._choose(near_tie_logits(), [1, 2], mx.array([2, 5, 7]), mx.array([5, 7]))
     # A bare argmax would choose 9 everywhere and accept nothing.
     assert out[:3] == [5, 5, 5] and a == 1

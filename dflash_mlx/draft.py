@@ -42,7 +42,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-    def __call__(self, x, ctx, cache=None, anchors=None):
+    def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = q.transpose(0, 2, 1, 3)
@@ -50,8 +50,11 @@ class Attention(nn.Module):
             return self._train(q, x, ctx, anchors)
         # Context and block K/V in one projection, stored together; the block's
         # entries are dropped again once attended (only context is cached).
-        pos = cache.offset + ctx.shape[1]
         k, v = self._kv(mx.concatenate([ctx, x], axis=1))
+        if skip:  # context that slid out of the window before it was read: zeros hold its place
+            z = mx.zeros((B, self.n_kv_heads, skip, k.shape[-1]), k.dtype)
+            cache.update_and_fetch(z, z)
+        pos = cache.offset + ctx.shape[1]
         keys, values = cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
         cache.trim(L)
         mask = None
@@ -124,8 +127,8 @@ class DraftLayer(nn.Module):
             cfg.hidden_size, eps=cfg.rms_norm_eps
         )
 
-    def __call__(self, x, ctx, cache=None, anchors=None):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, anchors)
+    def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, anchors, skip)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -169,12 +172,19 @@ class DFlashDraft(nn.Module):
         target features. With ``cache`` the features extend the cached context
         and the block sits right after it; without, ``anchors`` gives each
         block's position in the feature sequence (training)."""
+        # With every layer sliding, new context older than the window (a long
+        # prompt) is never attended: only its place in the caches is kept.
+        windows = [layer.self_attn.window for layer in self.layers]
+        skip = 0
+        if cache is not None and None not in windows:
+            skip = max(features.shape[1] - max(max(windows) - 1, 1), 0)
+            features = features[:, skip:]
         # No new features (a later denoising pass): skip fc, whose quantized
         # matmul cannot take zero rows.
         ctx = self.context(features) if features.shape[1] else x[:, :0]
         caches = cache if cache is not None else [None] * len(self.layers)
         for layer, c in zip(self.layers, caches):
-            x = layer(x, ctx, c, anchors)
+            x = layer(x, ctx, c, anchors, skip)
         return self.norm(x)
 
     def propose(

@@ -38,14 +38,14 @@ def data(tmp_path_factory):
     return d
 
 
-def _draft(model, bs=4, layers=2, seed=3, window=None):
+def _draft(model, bs=4, layers=2, seed=3, window=None, slide=("sliding_attention", "full_attention")):
     t = Target(model)
     cfg = DFlashConfig(
         hidden_size=t.hidden_size, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=t.vocab_rows,
         mask_token_id=t.vocab_rows - 16, target_layer_ids=[1, 3], num_target_layers=t.num_layers,
         rope_theta=10000.0, block_size=bs,
-        layer_types=["sliding_attention", "full_attention"][:layers] if window else None,
+        layer_types=list(slide)[:layers] if window else None,
         sliding_window=window,
     )
     mx.random.seed(seed)
@@ -54,14 +54,17 @@ def _draft(model, bs=4, layers=2, seed=3, window=None):
     return d
 
 
-@pytest.mark.parametrize("window", [None, 6])
-def test_training_path_matches_decoding_path(tiny, window):
+@pytest.mark.parametrize("window,slide", [(None, ()), (6, ("sliding_attention", "full_attention")),
+                                          (6, ("sliding_attention",) * 2)])
+def test_training_path_matches_decoding_path(tiny, window, slide):
     """Logits of many anchors at once (training) == draft.propose after the
     same context went through the cache (decoding), block by block; also for
-    a draft with a sliding-window layer (window 6 < most anchors)."""
+    a draft with a sliding-window layer (window 6 < most anchors), and one
+    whose layers all slide (decoding then never computes the context K/V
+    that slid out of the window)."""
     _, model, _ = tiny
     t, bs = Target(model), 4
-    draft = _draft(model, bs, window=window)
+    draft = _draft(model, bs, window=window, slide=slide)
     rng = np.random.default_rng(0)
     toks = mx.array(rng.integers(0, 300, size=(2, 24)), dtype=mx.int32)
     _, feats = t.hidden(toks, draft.config.target_layer_ids)

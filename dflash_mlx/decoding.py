@@ -312,17 +312,17 @@ def stream_generate(
         )
     if sampler is None and temperature > 0 and seed is None and group() is not None:
         seed = agree(mx.array([random.getrandbits(30)])).item()  # every rank draws the same drafts
+    drafter = draft if top > 1 else None
     dec = _Decoder(
         target,
-        draft if top > 1 else None,
+        drafter,
         logits_processors,
         prompt_cache,
         profile,
         draft_cache,
         threshold=accept_threshold,
         steps=denoise_steps,
-        **_drawing(target, draft if top > 1 else None, prompt_cache, temperature, top_p, min_p, top_k,
-                  seed, sampler, proposal),
+        **_drawing(target, drafter, prompt_cache, temperature, top_p, min_p, top_k, seed, sampler, proposal),
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer

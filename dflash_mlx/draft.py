@@ -42,6 +42,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
         return k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
+    @property
+    def reach(self) -> Optional[int]:
+        """Context positions a block query attends back to (None: all)."""
+        return None if self.window is None else max(self.window - 1, 1)
+
     def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
@@ -60,7 +65,7 @@ class Attention(nn.Module):
         mask = None
         if self.window is not None:
             # Block queries reach back at most window-1 context positions.
-            n = min(keys.shape[2] - L, max(self.window - 1, 1))
+            n = min(keys.shape[2] - L, self.reach)
             keys, values = keys[:, :, -(n + L) :], values[:, :, -(n + L) :]
             qpos = mx.arange(pos, pos + L)
             mask = _block_mask(qpos[None], mx.arange(pos - n, pos), None, self.window, L)
@@ -174,10 +179,10 @@ class DFlashDraft(nn.Module):
         block's position in the feature sequence (training)."""
         # With every layer sliding, new context older than the window (a long
         # prompt) is never attended: only its place in the caches is kept.
-        windows = [layer.self_attn.window for layer in self.layers]
+        reach = [layer.self_attn.reach for layer in self.layers]
         skip = 0
-        if cache is not None and None not in windows:
-            skip = max(features.shape[1] - max(max(windows) - 1, 1), 0)
+        if cache is not None and None not in reach:
+            skip = max(features.shape[1] - max(reach), 0)
             features = features[:, skip:]
         # No new features (a later denoising pass): skip fc, whose quantized
         # matmul cannot take zero rows.

@@ -335,7 +335,9 @@ def stream_generate(
                 c = costs or cached_costs(target, draft)
                 # The cost model times one draft pass.
                 c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
-                dec.policy = Policy(c, top, plain=1.0 if dec.pipelined else None)
+                # Explicit costs are kept as given: the choices then follow them alone.
+                clock = costs is None and group() is None  # ranks must choose alike
+                dec.policy = Policy(c, top, plain=1.0 if dec.pipelined else None, clock=clock)
                 dec.policy.recall(draft)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
@@ -436,6 +438,7 @@ class _Decoder:
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
         self._unseen = None  # (confidences, length) of a round verified blind
+        self._tick = None  # when the last round (or the prefill) ended
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -448,7 +451,9 @@ class _Decoder:
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        return agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
+        first = agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
+        self._tick = time.perf_counter()
+        return first
 
     def rows(self, logits: mx.array, logp: mx.array) -> mx.array:
         """What the target's choice is made from: the log-probabilities
@@ -559,8 +564,7 @@ class _Decoder:
         features for the draft, teach the policy, count; the committed tokens."""
         if f is not None:
             self.dstate.extend(f[:, : a + 1])
-        if self.policy is not None:
-            self.policy.update(verified, a, drafted)
+        self._learn(verified, a, drafted)
         self.rounds += 1
         self.committed += a + 1
         self.verified = verified
@@ -581,12 +585,22 @@ class _Decoder:
             mx.async_eval(self.ahead[0])
         if f is not None:
             self.dstate.extend(f)
-        if self.policy is not None:
-            self.policy.update(1, 0, False)
+        out = y.tolist()
+        self._learn(1, 0, False)
         self.rounds += 1
         self.committed += 1
         self.verified = 1
-        return y.tolist()
+        return out
+
+    def _learn(self, verified: int, accepted: int, drafted: bool) -> None:
+        """Teach the policy a round whose tokens were just read, with its
+        wall time since the last one ended (the first round's also reads
+        the prompt's features: not timed)."""
+        now = time.perf_counter()
+        if self.policy is not None:
+            seconds = now - self._tick if self.rounds and self._tick is not None else None
+            self.policy.update(verified, accepted, drafted, seconds)
+        self._tick = now
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position

@@ -3,8 +3,9 @@
 A round costs a draft pass (unless it is a plain step) plus a target forward
 over L tokens, and commits E(L) tokens on average. The costs are measured once
 per model pair and machine and cached (:func:`cached_costs`), in units of a
-plain decode step; during a generation the policy reads no clock, so its
-choices, like the output, are reproducible.
+plain decode step. With ``clock`` the policy also times the loop's own rounds
+(no extra synchronisation) to correct what a plain step costs against a
+drafting round; its choices may then differ between runs, the output cannot.
 """
 
 import hashlib
@@ -98,6 +99,13 @@ class Policy:
     (:meth:`recall`, :meth:`remember`): a draft found useless is not probed
     afresh, at a draft pass each, at the start of every generation.
 
+    The measured costs are taken on a throwaway cache, forwards alone; in
+    the loop, rounds also pay their bookkeeping, and a verify's attention
+    reads the generation's own context. With ``clock``, :meth:`update` is
+    given each round's wall time, and a plain step's cost in the model's
+    units becomes (seconds per plain step) / (seconds per modelled unit of
+    drafting rounds), both decaying averages, once each has a few rounds.
+
     Args:
         costs: The cost model.
         block_size: The draft's trained block size (the longest round).
@@ -110,6 +118,8 @@ class Policy:
         bins: Confidence bins of the acceptance statistics.
         plain: The cost of a plain step: 1 (the unit) where the loop
             pipelines them, else (None) ``costs.verify_at(1)``.
+        clock: Correct ``plain`` from the rounds' wall times (see above).
+        decay: Decay per timed round of the same kind (plain or drafting).
     """
 
     costs: Costs
@@ -121,12 +131,16 @@ class Policy:
     probe_limit: int = 4
     bins: int = 10
     plain: Optional[float] = None
+    clock: bool = False
+    decay: float = 0.95
     made: float = field(init=False, default=0.0)  # tokens of recent drafting rounds
     spent: float = field(init=False, default=0.0)  # and their cost, in plain steps
     wait: int = field(init=False, default=0)
     skip: int = field(init=False, default=0)  # plain steps left before a probe
     probe: bool = field(init=False, default=True)
     blind: bool = field(init=False, default=False)  # see :meth:`looks`
+    # Decaying sums: plain seconds, plain steps, drafting seconds, their modelled cost.
+    timed: List[float] = field(init=False, default_factory=lambda: [0.0] * 4)
 
     def __post_init__(self):
         if self.plain is None:
@@ -145,7 +159,7 @@ class Policy:
 
     def remember(self, draft) -> None:
         """Keep what this generation learnt for the next one with ``draft``."""
-        keys = ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials")
+        keys = ("wait", "skip", "probe", "blind", "made", "spent", "hits", "trials", "timed")
         memo(draft)["policy"] = {k: getattr(self, k) for k in keys}
 
     @staticmethod
@@ -180,7 +194,7 @@ class Policy:
         # Maximise E(L) - rate * cost(L), rate being drafting's recent tokens
         # per step (at least plain's): the choice that maximises the long-run
         # rate (a round's own ratio E/cost cuts good rounds short).
-        rate = max(self.made / self.spent if self.spent else 0.0, 1 / self.plain)
+        rate = max(self.made / self.spent if self.spent else 0.0, 1 / self.unit())
         best, top = 1, -math.inf
         for n, e in enumerate(gain, 1):
             score = e - rate * self.costs.verify_at(n)
@@ -213,9 +227,25 @@ class Policy:
         self._seen = list(conf[: n - 1])
         return n
 
-    def update(self, verified: int, accepted: int, drafted: bool) -> None:
+    def unit(self) -> float:
+        """A plain step's cost in the model's units: ``plain``, or with
+        ``clock`` and a few timed rounds of each kind, as measured."""
+        ps, pn, ds, dn = self.timed
+        if self.clock and pn >= 4 and dn >= 4 and ds > 0:
+            return min(max((ps / pn) / (ds / dn), 0.5), 2.0)
+        return self.plain
+
+    def update(self, verified: int, accepted: int, drafted: bool, seconds: Optional[float] = None) -> None:
         """Learn from a round that verified ``verified`` tokens and accepted
-        ``accepted`` drafts, after a draft pass or not."""
+        ``accepted`` drafts, after a draft pass or not, and took ``seconds``
+        (wall time, if known)."""
+        if self.clock and seconds is not None:
+            units = self.costs.draft + self.costs.verify_at(verified) if drafted else 1.0
+            i = 2 if drafted else 0
+            t, n = self.timed[i : i + 2]
+            if n >= 4:  # a pause of the machine weighs like a slow round, no more
+                seconds = min(seconds, 3 * units * t / n)
+            self.timed[i : i + 2] = [self.decay * t + seconds, self.decay * n + units]
         if not drafted:
             self.skip = max(self.skip - 1, 0)
             return
@@ -228,7 +258,7 @@ class Policy:
         keep = 0.0 if self.probe else self.recent
         self.made = keep * self.made + accepted + 1
         self.spent = keep * self.spent + self.costs.draft + self.costs.verify_at(verified)
-        self.probe = self.made * self.plain < self.spent  # plain steps: 1 token each
+        self.probe = self.made * self.unit() < self.spent  # plain steps: 1 token each
         self.blind &= not self.probe
         if self.probe:
             self.wait = min(max(1, 2 * self.wait), self.max_wait)

@@ -328,3 +328,40 @@ def test_right_draft_rounds_skip_the_confidence_sync(loaded, draft_for, monkeypa
     out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=60, costs=COSTS)
     assert out == ref and [v for v, _, _ in rounds] == [4, 16, 16, 16, 7]
     assert seen == [True, True, False, False, False]  # the probe, the first full block, then blind
+
+
+def test_clock_corrects_the_plain_steps_cost():
+    """Timed rounds: plain steps at 6 ms, drafting rounds at 5 ms per modelled
+    unit, so a plain step costs 1.2 units, and drafting that makes 0.9
+    tokens a unit goes on, where the uncorrected model (1 a
+    unit) would have stopped it. A pause of the machine moves it little;
+    without the clock the times are ignored."""
+    costs = Costs(0.3, {1: 1.0, 4: 1.8})
+    timed, fixed = Policy(costs, 4, plain=1.0, clock=True), Policy(costs, 4, plain=1.0)
+    for p in (timed, fixed):
+        for _ in range(20):
+            p.update(1, 0, False, 0.006)
+            p.chose([0.9] * 3, 4)
+            p.update(4, 1, True, 0.005 * 2.1)
+    assert timed.unit() == pytest.approx(1.2) and fixed.unit() == 1.0
+    for p in (timed, fixed):
+        p.probe = False
+        p.made, p.spent = 1.8, 2.1
+        p.chose([0.9] * 3, 4)
+        p.update(4, 1, True, 0.005 * 2.1)
+    assert timed.drafts() and not fixed.drafts()
+    timed.update(1, 0, False, 1.0)  # a second's pause in one plain step
+    assert 1.2 < timed.unit() < 1.5
+
+
+def test_clock_runs_only_with_measured_costs(loaded, draft_for, tmp_path, monkeypatch):
+    """Costs measured for this machine are corrected by the rounds' wall
+    times; costs given by the caller are kept as they are."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    model, tok, folder = loaded("qwen3")
+    ref = mlx_tokens(model, tok, "import os\n", 40)
+    for costs, clocked in ((None, True), (COSTS, False)):
+        draft = draft_for(folder)
+        assert auto_run(model, draft, tok, "import os\n", max_tokens=40, costs=costs)[0] == ref
+        plain_steps = pol.memo(draft)["policy"]["timed"][1]
+        assert (plain_steps > 0) == clocked

@@ -598,7 +598,7 @@ class _Decoder:
         the prompt's features: not timed)."""
         now = time.perf_counter()
         if self.policy is not None:
-            seconds = now - self._tick if self.rounds and self._tick is not None else None
+            seconds = now - self._tick if self.rounds else None
             self.policy.update(verified, accepted, drafted, seconds)
         self._tick = now
 

@@ -239,13 +239,13 @@ class Policy:
         """Learn from a round that verified ``verified`` tokens and accepted
         ``accepted`` drafts, after a draft pass or not, and took ``seconds``
         (wall time, if known)."""
+        cost = self.costs.draft + self.costs.verify_at(verified) if drafted else 1.0
         if self.clock and seconds is not None:
-            units = self.costs.draft + self.costs.verify_at(verified) if drafted else 1.0
             i = 2 if drafted else 0
             t, n = self.timed[i : i + 2]
             if n >= 4:  # a pause of the machine weighs like a slow round, no more
-                seconds = min(seconds, 3 * units * t / n)
-            self.timed[i : i + 2] = [self.decay * t + seconds, self.decay * n + units]
+                seconds = min(seconds, 3 * cost * t / n)
+            self.timed[i : i + 2] = [self.decay * t + seconds, self.decay * n + cost]
         if not drafted:
             self.skip = max(self.skip - 1, 0)
             return
@@ -257,7 +257,7 @@ class Policy:
             self.trials[b] += 1
         keep = 0.0 if self.probe else self.recent
         self.made = keep * self.made + accepted + 1
-        self.spent = keep * self.spent + self.costs.draft + self.costs.verify_at(verified)
+        self.spent = keep * self.spent + cost
         self.probe = self.made * self.unit() < self.spent  # plain steps: 1 token each
         self.blind &= not self.probe
         if self.probe:

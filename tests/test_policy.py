@@ -332,10 +332,10 @@ def test_right_draft_rounds_skip_the_confidence_sync(loaded, draft_for, monkeypa
 
 def test_clock_corrects_the_plain_steps_cost():
     """Timed rounds: plain steps at 6 ms, drafting rounds at 5 ms per modelled
-    unit, so a plain step costs 1.2 units, and drafting that makes 0.9
-    tokens a unit goes on, where the uncorrected model (1 a
-    unit) would have stopped it. A pause of the machine moves it little;
-    without the clock the times are ignored."""
+    unit, so a plain step costs 1.2 units, and drafting that makes 0.9 tokens
+    a unit goes on, where the uncorrected model (1 a unit) would have stopped
+    it. A pause of the machine moves it little; without the clock the times
+    are ignored."""
     costs = Costs(0.3, {1: 1.0, 4: 1.8})
     timed, fixed = Policy(costs, 4, plain=1.0, clock=True), Policy(costs, 4, plain=1.0)
     for p in (timed, fixed):

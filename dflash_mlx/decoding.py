@@ -521,6 +521,7 @@ class _Decoder:
             # The draft pass runs while the verify pass is being built.
             mx.async_eval([x for x in guess if x is not None])
             if self.policy is not None:
+                length = min(length, self.policy.blind)
                 self._unseen = guess[2], length
         return self.cut(guess, length)
 

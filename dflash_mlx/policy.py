@@ -91,8 +91,9 @@ class Policy:
     being accepted (given the ones before) is how often guesses of its
     confidence were accepted in this stretch of drafting, starting from the
     confidence itself; reading the confidences waits for the draft pass, so
-    after a round that chose the whole block the next one is verified whole
-    without waiting (:meth:`looks`). Each probe starts a fresh stretch and
+    a round after one that looked verifies the length the last confidences
+    chose without waiting, until they would choose less (:meth:`looks`).
+    Each probe starts a fresh stretch and
     verifies at most ``probe_limit`` tokens: a confident but wrong draft
     would make every probe a long, wasted verify. What the policy learnt
     carries over from one generation to the next with the same draft
@@ -138,7 +139,7 @@ class Policy:
     wait: int = field(init=False, default=0)
     skip: int = field(init=False, default=0)  # plain steps left before a probe
     probe: bool = field(init=False, default=True)
-    blind: bool = field(init=False, default=False)  # see :meth:`looks`
+    blind: int = field(init=False, default=0)  # tokens verified without looking (see :meth:`looks`)
     # Decaying sums: plain seconds, plain steps, drafting seconds, their modelled cost.
     timed: List[float] = field(init=False, default_factory=lambda: [0.0] * 4)
 
@@ -176,10 +177,11 @@ class Policy:
     def looks(self) -> bool:
         """Whether this drafting round reads the confidences before choosing
         its length. Reading them waits for the draft pass (a host
-        synchronisation before the verify can be queued); after a round
-        that chose the whole block the next one verifies the whole block
-        without looking, and its confidences, read after the verify, say
-        whether looking would have chosen less (:meth:`length` again)."""
+        synchronisation before the verify can be queued), so after a round
+        that looked, the next verifies ``blind`` tokens, what that round's
+        confidences chose, and reads its own after its verify: they set the
+        next length while they choose as many or more, else the next round
+        looks (:meth:`saw`)."""
         return self.probe or not self.blind
 
     def chance(self, c: float) -> float:
@@ -200,7 +202,7 @@ class Policy:
             score = e - rate * self.costs.verify_at(n)
             if score > top:
                 best, top = n, score
-        self.blind = best == limit and not self.probe
+        self.blind = 0 if self.probe else best
         return self.chose(conf, best)
 
     def expect(self, conf: List[float], limit: int) -> List[float]:
@@ -217,9 +219,10 @@ class Policy:
 
     def saw(self, conf: List[float], n: int) -> None:
         """The confidences of a round verified blind at ``n`` tokens, read
-        after the verify: the next round looks unless looking would have
-        chosen ``n`` too."""
-        self.length(conf, n)
+        after the verify: the next round verifies what they choose blind
+        too, unless that is less than ``n`` (the draft grew unsure: look)."""
+        if self.length(conf, len(conf) + 1) < n:
+            self.blind = 0
         self.chose(conf, n)
 
     def chose(self, conf: List[float], n: int) -> int:
@@ -259,8 +262,8 @@ class Policy:
         self.made = keep * self.made + accepted + 1
         self.spent = keep * self.spent + cost
         self.probe = self.made * self.unit() < self.spent  # plain steps: 1 token each
-        self.blind &= not self.probe
         if self.probe:
+            self.blind = 0
             self.wait = min(max(1, 2 * self.wait), self.max_wait)
             self.skip = self.wait
         else:

@@ -2,6 +2,7 @@
 output stays exactly the target's; the choices follow the cost model and the
 draft's record, and the cost model is measured once and cached."""
 
+import copy
 import json
 import warnings
 
@@ -103,16 +104,23 @@ def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
     assert rounds[first + 1] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
 
 
-def test_expensive_verify_gives_short_rounds(loaded, draft_for):
+def test_expensive_verify_gives_short_rounds(loaded, draft_for, monkeypatch):
     """Verify cost growing with length (a CPU without a fast BLAS): a right
-    but unsure draft is verified a few tokens at a time."""
+    but unsure draft is verified a few tokens at a time, mostly without
+    waiting for its confidences."""
     model, tok, folder = loaded("qwen3", tied=True)
-    ref = mlx_tokens(model, tok, "class A:\n", 40)
+    ref = mlx_tokens(model, tok, "class A:\n", 80)
     draft = draft_for(folder, mask_token_id=ref[0], echo=True)
-    steep = Costs(draft=0.5, verify={1: 1.0, 2: 2.0, 16: 16.0})
-    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=40, costs=steep)
+    steep = Costs(draft=0.3, verify={1: 1.0, 2: 1.2, 16: 12.0})
+    seen, looks = [], Policy.looks
+    monkeypatch.setattr(Policy, "looks", lambda self: seen.append(looks(self)) or seen[-1])
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=80, costs=steep)
     assert out == ref
     assert max(v for v, _, _ in rounds) < 16
+    # The probe and the next round look, later ones verify blind (the last
+    # look: the probe after the draft stopped paying).
+    assert seen[:2] == [True, True] and sum(seen) <= 3 and len(seen) > 20, seen
+    assert sum(1 < v < 16 for v, _, _ in rounds[2:]) >= 4, rounds
 
 
 def test_auto_sampling_is_reproducible(loaded, draft_for):
@@ -304,19 +312,23 @@ def test_drafting_is_weighed_against_the_plain_step_the_loop_takes():
     assert (pipelined.made, pipelined.spent) == (synced.made, synced.spent) == pytest.approx((2, 2.6))
 
 
-def test_after_a_full_block_the_next_is_verified_blind():
-    """A round that chose the whole block makes the next one verify the whole
-    block without waiting to read the confidences; once they say a shorter
-    round would have been chosen, the policy looks again."""
+def test_rounds_verify_blind_what_the_last_confidences_chose():
+    """After a round that looked, the next verifies what its confidences
+    chose without waiting for its own; those, read after its verify, set the
+    next length while they choose as many tokens or more, else the next
+    round looks."""
     p = Policy(COSTS, 16)
     p.update(p.length([0.95] * 15, 16), 3, True)  # the probe: 4 of 4
-    assert p.looks() and p.length([0.95] * 15, 16) == 16 and not p.looks()
-    p.update(16, 15, True)
-    assert not p.looks()
-    p.saw([0.95] * 15, 16)
-    assert not p.looks()
-    p.saw([0.01] * 15, 16)  # the draft turned unsure
-    assert p._seen == [0.01] * 15 and p.looks()
+    fair = [0.95] * 4 + [0.05] * 11
+    assert p.looks() and p.length(fair, 16) == 5 and not p.looks() and p.blind == 5
+    p.update(5, 4, True)
+    looking = copy.deepcopy(p)
+    p.saw([0.95] * 15, 5)  # the draft grew surer: go on blind, longer
+    assert p._seen == [0.95] * 4 and not p.looks()
+    assert p.blind == looking.length([0.95] * 15, 16) == 16
+    p.update(5, 4, True)
+    p.saw([0.6, 0.3] + [0.01] * 13, 16)  # unsure: look again
+    assert p.looks()
 
 
 def test_right_draft_rounds_skip_the_confidence_sync(loaded, draft_for, monkeypatch):

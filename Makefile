@@ -57,7 +57,7 @@ smollm2-draft: install
 _smollm2-draft:
 	$(RUN) -m dflash_mlx.smollm2.build $(SMOLLM2_ARGS)
 
-# Rebuild the toy demo pair (a test fixture) from scratch (~2.5 h on 2 cores);
+# Rebuild the toy demo pair (a test fixture) from scratch (~2.3 h on 2 cores);
 # DEMO_ARGS=--fast for a reduced build.
 .PHONY: demo-pair _demo-pair
 demo-pair: install

@@ -1,6 +1,7 @@
 """The DFlash draft model: Qwen3-style layers whose keys/values also see the
 target's context features, and a bidirectional block of mask tokens."""
 
+import math
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -10,7 +11,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DFlashConfig
-from .sampling import exp_shifted
+from .sampling import shifted
 
 
 class Attention(nn.Module):
@@ -106,8 +107,13 @@ def _block_mask(qpos, kpos, anchors, window, L):
 
 
 def confidence(logits: mx.array) -> mx.array:
-    """The draft's top probability at each offset, from its logits [N, V]."""
-    return 1 / exp_shifted(logits).sum(axis=-1)
+    """The draft's top probability at each offset, from its logits [N, V],
+    within 0.02: each exp is a power of 2 read from float32 bits
+    (2**y ~ 2**floor(y) * (1 + frac(y))), a third of mx.exp's time on
+    MLX-CPU in every drafting round; only the policy's bins and the
+    denoising order read it."""
+    y = shifted(logits) * (math.log2(math.e) * 2**23) + 127 * 2**23
+    return 1 / mx.maximum(y, 0).astype(mx.int32).view(mx.float32).sum(axis=-1)
 
 
 class MLP(nn.Module):

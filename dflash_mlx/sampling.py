@@ -26,14 +26,9 @@ def exp(x: mx.array) -> mx.array:
     return mx.power(2.0, x * math.log2(math.e))
 
 
-def exp_shifted(x: mx.array) -> mx.array:
-    """exp(x - max(x)) along the last axis, in float32."""
-    return exp(_shifted(x))
-
-
 def softmax(x: mx.array) -> mx.array:
-    """Softmax along the last axis (see :func:`exp_shifted`)."""
-    e = exp_shifted(x)
+    """Softmax along the last axis, in float32."""
+    e = exp(shifted(x))
     return e / e.sum(axis=-1, keepdims=True)
 
 
@@ -125,7 +120,8 @@ def _filters(top_p: float, min_p: float, top_k: int) -> List[Callable]:
     return filters
 
 
-def _shifted(x: mx.array) -> mx.array:
+def shifted(x: mx.array) -> mx.array:
+    """x - max(x) along the last axis, in float32."""
     # Log-probabilities up to a constant, in float32: raw bf16 logits divided
     # by a temperature would round coarsely, and exp would overflow on
     # logits above ~88.
@@ -134,7 +130,7 @@ def _shifted(x: mx.array) -> mx.array:
 
 
 def _filtered(x: mx.array, filters: List[Callable]) -> mx.array:
-    x = _shifted(x)
+    x = shifted(x)
     for f in filters:
         x = f(x)
     return x

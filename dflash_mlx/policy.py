@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 import uuid
 import warnings
@@ -26,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from .draft import confidence
 
-VERSION = 4  # of the measurement; part of the cache key
+VERSION = 5  # of the measurement; part of the cache key
 LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
 # Tokens in the cache the costs are measured on: a verify's attention grows with
 # it, and decoding rounds see hundreds (at 32, a toy target's verify of 8 looked
@@ -290,11 +291,12 @@ _measured: Dict[tuple, Costs] = {}
 # ------------------------------------------------------------ calibration
 
 
-def measure_costs(target, draft, budget: float = 4.0, reps: int = 8, width: int = 1) -> Costs:
+def measure_costs(target, draft, budget: float = 4.0, reps: int = 24, width: int = 1) -> Costs:
     """Time verify forwards of a few lengths and a draft pass on a throwaway
-    cache, as a round runs them (token choice, rollback, synchronisation);
-    the fastest of up to ``reps`` runs each, within about ``budget`` seconds.
-    The unit is a plain step as the loop runs them, pipelined.
+    cache, as a round runs them (token choice, rollback, synchronisation):
+    up to ``reps`` passes over them all within about ``budget`` seconds,
+    each op's median over the passes of its time in that pass's plain step,
+    the unit: a plain step as the loop runs them, pipelined.
 
     With ``width`` B > 1, the verify forwards run on B rows at once (batched
     caches, :mod:`.batch`) and the costs are one row's share, in units of
@@ -354,22 +356,29 @@ def measure_costs(target, draft, budget: float = 4.0, reps: int = 8, width: int 
     ops["draft"] = propose
     if width == 1 and all(trims_exactly(c) for c in cache):  # as the loop pipelines
         ops["plain"] = plain
-    best = {}
+    # Each pass times every op once; a pass's costs are its times over its
+    # own unit, and the median pass is kept: the machine's pace drifts
+    # between passes (the fastest time of each op, taken apart, came out
+    # 40% apart on one pair from one measurement to the next).
+    passes = []
     start = time.perf_counter()
-    for r in range(reps + 1):  # the first round warms up
+    for r in range(reps + 1):  # the first pass warms up
+        t = {}
         for k, op in ops.items():
             tic = time.perf_counter()
             steps = op() or 1
-            if r:
-                best[k] = min(best.get(k, math.inf), (time.perf_counter() - tic) / steps)
+            t[k] = (time.perf_counter() - tic) / steps
+        if r:
+            unit = min(t[1], t.get("plain", math.inf))
+            passes.append({k: v / unit for k, v in t.items()})
         if r >= 2 and time.perf_counter() - start > budget:
             break
-    unit = min(best[1], best.get("plain", math.inf))
+    mid = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
     verify_costs, last = {}, 0.0
-    for n in sorted(k for k in best if isinstance(k, int)):
-        last = max(last, best[n] / unit)  # timing noise must not make longer cheaper
+    for n in sorted(k for k in mid if isinstance(k, int)):
+        last = max(last, mid[n])  # timing noise must not make longer cheaper
         verify_costs[n] = last
-    return Costs(best["draft"] / (unit / width), verify_costs)
+    return Costs(mid["draft"] * width, verify_costs)
 
 
 def cache_key(target, draft) -> dict:

@@ -28,7 +28,8 @@ from mlx.utils import tree_flatten
 from .draft import confidence
 
 VERSION = 5  # of the measurement; part of the cache key
-LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
+LENGTHS = (1, 2, 4, 8, 16)
+GROUPS = 5  # offset groups of the acceptance statistics (see Policy.cell)  # verify lengths measured (and the block size)
 # Tokens in the cache the costs are measured on: a verify's attention grows with
 # it, and decoding rounds see hundreds (at 32, a toy target's verify of 8 looked
 # ~40% cheaper, relative to one of 4, than in decoding).
@@ -90,8 +91,8 @@ class Policy:
     maximises E(L) - r * verify(L), r being recent drafting's tokens per
     step (at least plain's), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
-    confidence were accepted in this stretch of drafting, starting from the
-    confidence itself; reading the confidences waits for the draft pass, so
+    confidence at that depth in the block were accepted in this stretch of
+    drafting, starting from the confidence itself; reading the confidences waits for the draft pass, so
     a round after one that looked verifies the length the last confidences
     chose without waiting, until they would choose less (:meth:`looks`).
     Each probe starts a fresh stretch and
@@ -150,7 +151,8 @@ class Policy:
         self._reset()
 
     def _reset(self):
-        self.hits, self.trials = [0.0] * self.bins, [0.0] * self.bins  # by confidence bin
+        cells = self.bins * GROUPS  # by confidence bin and offset group (see cell)
+        self.hits, self.trials = [0.0] * cells, [0.0] * cells
         self._seen: List[float] = []
 
     def recall(self, draft) -> "Policy":
@@ -185,10 +187,17 @@ class Policy:
         looks (:meth:`saw`)."""
         return self.probe or not self.blind
 
-    def chance(self, c: float) -> float:
-        """The estimated acceptance chance of a guess of confidence ``c``."""
-        b = min(int(c * self.bins), self.bins - 1)
-        return (self.hits[b] + self.prior * c) / (self.trials[b] + self.prior)
+    def cell(self, c: float, i: int) -> int:
+        """The statistics' cell of the ``i``-th guess (from 0) of confidence
+        ``c``: guesses deeper in the block are accepted less often at the
+        same confidence, so offsets 1, 2, 3-4, 5-8 and 9+ count apart."""
+        return min(i.bit_length(), GROUPS - 1) * self.bins + min(int(c * self.bins), self.bins - 1)
+
+    def chance(self, c: float, i: int = 0) -> float:
+        """The estimated acceptance chance of the ``i``-th guess (from 0),
+        of confidence ``c``."""
+        k = self.cell(c, i)
+        return (self.hits[k] + self.prior * c) / (self.trials[k] + self.prior)
 
     def length(self, conf: List[float], limit: int) -> int:
         """Tokens to verify (1..``limit``) after a draft pass whose top
@@ -213,8 +222,8 @@ class Policy:
             self._reset()
             limit = min(limit, self.probe_limit)
         reach, gain = 1.0, [1.0]
-        for c in conf[: limit - 1]:
-            reach *= self.chance(c)
+        for i, c in enumerate(conf[: limit - 1]):
+            reach *= self.chance(c, i)
             gain.append(gain[-1] + reach)
         return gain
 
@@ -256,9 +265,9 @@ class Policy:
         self.hits = [h * self.memory for h in self.hits]
         self.trials = [t * self.memory for t in self.trials]
         for i, c in enumerate(self._seen[: accepted + 1]):
-            b = min(int(c * self.bins), self.bins - 1)
-            self.hits[b] += i < accepted
-            self.trials[b] += 1
+            k = self.cell(c, i)
+            self.hits[k] += i < accepted
+            self.trials[k] += 1
         keep = 0.0 if self.probe else self.recent
         self.made = keep * self.made + accepted + 1
         self.spent = keep * self.spent + cost

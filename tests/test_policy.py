@@ -218,7 +218,7 @@ def test_policy_rule():
         else:
             p.update(1, 0, False)
     assert waits == [1, 2, 4, 8, 16] and p.drafts()
-    p.update(p.length([0.9] * 15, 16), 15, True)  # right again: draft every round
+    p.update(p.length([0.9] * 15, 16), 3, True)  # right again (all 3 of the probe): draft every round
     assert p.wait == 0 and p.drafts() and p.length([0.9] * 15, 16) == 16
 
 
@@ -310,6 +310,20 @@ def test_drafting_is_weighed_against_the_plain_step_the_loop_takes():
         p.update(p.chose([0.5], 2), 1, True)  # 2 tokens for 0.3 + 2.3
     assert not pipelined.drafts() and synced.drafts()
     assert (pipelined.made, pipelined.spent) == (synced.made, synced.spent) == pytest.approx((2, 2.6))
+
+
+def test_guesses_deeper_in_the_block_are_counted_apart():
+    """At the same confidence the first guess is accepted every time and the
+    second never: the policy learns both, where one statistic per
+    confidence would put each at about a half."""
+    p = Policy(COSTS, 16)
+    p.probe = False
+    for _ in range(30):
+        p.chose([0.5] * 15, 16)
+        p.update(16, 1, True)
+    assert p.chance(0.5, 0) > 0.9 and p.chance(0.5, 1) < 0.1
+    gain = p.expect([0.5] * 15, 16)
+    assert gain[1] > 1.9 and gain[-1] - gain[1] < 0.1
 
 
 def test_rounds_verify_blind_what_the_last_confidences_chose():

@@ -28,8 +28,8 @@ from mlx.utils import tree_flatten
 from .draft import confidence
 
 VERSION = 5  # of the measurement; part of the cache key
-LENGTHS = (1, 2, 4, 8, 16)
-GROUPS = 5  # offset groups of the acceptance statistics (see Policy.cell)  # verify lengths measured (and the block size)
+LENGTHS = (1, 2, 4, 8, 16)  # verify lengths measured (and the block size)
+GROUPS = 5  # offset groups of the acceptance statistics (see Policy.cell)
 # Tokens in the cache the costs are measured on: a verify's attention grows with
 # it, and decoding rounds see hundreds (at 32, a toy target's verify of 8 looked
 # ~40% cheaper, relative to one of 4, than in decoding).
@@ -92,9 +92,10 @@ class Policy:
     step (at least plain's), where a draft token's chance of
     being accepted (given the ones before) is how often guesses of its
     confidence at that depth in the block were accepted in this stretch of
-    drafting, starting from the confidence itself; reading the confidences waits for the draft pass, so
-    a round after one that looked verifies the length the last confidences
-    chose without waiting, until they would choose less (:meth:`looks`).
+    drafting, starting from the confidence itself; reading the confidences
+    waits for the draft pass, so a round after one that looked verifies the
+    length the last confidences chose without waiting, until they would
+    choose less (:meth:`looks`).
     Each probe starts a fresh stretch and
     verifies at most ``probe_limit`` tokens: a confident but wrong draft
     would make every probe a long, wasted verify. What the policy learnt
@@ -189,11 +190,12 @@ class Policy:
 
     def cell(self, c: float, i: int) -> int:
         """The statistics' cell of the ``i``-th guess (from 0) of confidence
-        ``c``: guesses deeper in the block are accepted less often at the
-        same confidence, so offsets 1, 2, 3-4, 5-8 and 9+ count apart."""
+        ``c``: at one confidence, a draft's guesses are accepted more or less
+        often by their depth in the block, so offsets 1, 2, 3-4, 5-8 and 9+
+        count apart."""
         return min(i.bit_length(), GROUPS - 1) * self.bins + min(int(c * self.bins), self.bins - 1)
 
-    def chance(self, c: float, i: int = 0) -> float:
+    def chance(self, c: float, i: int) -> float:
         """The estimated acceptance chance of the ``i``-th guess (from 0),
         of confidence ``c``."""
         k = self.cell(c, i)

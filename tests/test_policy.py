@@ -218,7 +218,7 @@ def test_policy_rule():
         else:
             p.update(1, 0, False)
     assert waits == [1, 2, 4, 8, 16] and p.drafts()
-    p.update(p.length([0.9] * 15, 16), 3, True)  # right again (all 3 of the probe): draft every round
+    p.update(p.length([0.9] * 15, 16), 3, True)  # all 3 right again: draft every round
     assert p.wait == 0 and p.drafts() and p.length([0.9] * 15, 16) == 16
 
 

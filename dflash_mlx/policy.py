@@ -95,8 +95,7 @@ class Policy:
     drafting, starting from the confidence itself; reading the confidences
     waits for the draft pass, so a round after one that looked verifies the
     length the last confidences chose without waiting, until they would
-    choose less (:meth:`looks`).
-    Each probe starts a fresh stretch and
+    choose less (:meth:`looks`). Each probe starts a fresh stretch and
     verifies at most ``probe_limit`` tokens: a confident but wrong draft
     would make every probe a long, wasted verify. What the policy learnt
     carries over from one generation to the next with the same draft

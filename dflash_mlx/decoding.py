@@ -438,6 +438,12 @@ class _Decoder:
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
         self._unseen = None  # (confidences, length) of a round verified blind
+        # A probe can be taken beside plain steps, its guesses checked against the
+        # tokens they then choose, as a verify would (see _shadow_probe): where
+        # the target's choice is the token itself (greedy, seeded noise, or a
+        # sampler's draw), not the p/q rule or a threshold.
+        self.shades = self.pipelined and threshold is None and (tuner is None or noise is not None)
+        self._shadow = None  # [guess, first position, limit, length or None] of such a probe
         self._tick = None  # when the last round (or the prefill) ended
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
@@ -477,7 +483,11 @@ class _Decoder:
         goes on after this round unless it ends with an EOS."""
         clock = _Clock(self.profile)
         anchor = mx.array(history[-1:])
+        self._check_shadow(history)
         drafted = self.drafts(length)
+        if drafted and self.shades and self.policy is not None and self.policy.shades():
+            self._shadow_probe(anchor, length, len(history))
+            drafted = False
         if not drafted and self.pipelined:
             return self._plain(anchor, len(history), more)
         proposal, q = self.propose(anchor, length, len(history)) if drafted else (None, None)
@@ -506,7 +516,36 @@ class _Decoder:
 
     def drafts(self, length: int) -> bool:
         """Whether a round of ``length`` runs the draft (else a plain step)."""
-        return self.draft is not None and length > 1 and (self.policy is None or self.policy.drafts())
+        if self.draft is None or length <= 1 or self.ahead is not None or self._shadow is not None:
+            return False
+        return self.policy is None or self.policy.drafts()
+
+    def _shadow_probe(self, anchor: mx.array, length: int, pos: int) -> None:
+        """Run a probe's draft pass without its verify: plain steps go on, and
+        :meth:`_check_shadow` compares its guesses with the tokens they choose.
+        The probe then costs a draft pass, not a synchronised verify."""
+        guess = self.guess(anchor, length, pos)
+        mx.async_eval([x for x in guess if x is not None])
+        self._shadow = [guess, pos, length, None]
+
+    def _check_shadow(self, history: List[int]) -> None:
+        """Teach the policy a shadow probe once its outcome is known: as many
+        guesses matched in a row as the verify it chose would have accepted."""
+        if self._shadow is None:
+            return
+        guess, pos, limit, n = self._shadow
+        if n is None:  # its draft pass is done: a plain step since has been read
+            n = self._shadow[3] = self.policy.length(guess[2].tolist(), limit)
+        got = history[pos : pos + n - 1]
+        drafts = self.cut(guess, n)[0]
+        a = 0
+        for d, t in zip(drafts.tolist() if drafts is not None else [], got):
+            if d != t:
+                break
+            a += 1
+        if a < len(got) or len(got) == n - 1:
+            self.policy.update(n, a, True)
+            self._shadow = None
 
     def propose(self, anchor: mx.array, length: int, pos: int):
         """The draft tokens after ``anchor`` [1], the first at position
@@ -581,7 +620,8 @@ class _Decoder:
         before this one's token is read when the next round is a plain step too."""
         y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
         self.ahead = None
-        if more and (self.draft is None or (self.policy is not None and not self.policy.drafts(after=1))):
+        plain_next = self.policy is not None and (self._shadow is not None or not self.policy.drafts(after=1))
+        if more and (self.draft is None or plain_next):
             self.ahead = self._step(y, pos + 1)
             mx.async_eval(self.ahead[0])
         if f is not None:

@@ -118,6 +118,9 @@ class Policy:
         prior: Pseudo-trials behind "acceptance = confidence".
         max_wait: The longest run of plain steps between probes.
         probe_limit: The most tokens a probe verifies.
+        shade: Probes after at least this many plain steps in a row are
+            taken in the shadow of plain steps where the loop can
+            (:meth:`shades`).
         bins: Confidence bins of the acceptance statistics.
         plain: The cost of a plain step: 1 (the unit) where the loop
             pipelines them, else (None) ``costs.verify_at(1)``.
@@ -132,6 +135,7 @@ class Policy:
     prior: float = 1.0
     max_wait: int = 128
     probe_limit: int = 4
+    shade: int = 4
     bins: int = 10
     plain: Optional[float] = None
     clock: bool = False
@@ -176,6 +180,13 @@ class Policy:
         """Whether this round (or, with ``after`` plain steps taken first, a
         later one) runs the draft, else it is a plain step."""
         return self.skip <= after
+
+    def shades(self) -> bool:
+        """Whether this probe runs its draft pass beside plain steps and is
+        judged by the tokens they choose, instead of verifying: a draft
+        pass's cost instead of a synchronised verify's, for a draft found
+        useless again and again (a few tokens later, where it is right)."""
+        return self.probe and self.wait >= self.shade
 
     def looks(self) -> bool:
         """Whether this drafting round reads the confidences before choosing

@@ -100,8 +100,28 @@ def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
     assert out == ref
     first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)
     assert any(not d for _, _, d in rounds[:first])
-    assert rounds[first] == (4, 4, True)  # a probe verifies a few tokens, then full blocks
-    assert rounds[first + 1] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
+    # Probes verify a few tokens; once 4 plain steps separate them, they run
+    # the draft pass beside a plain step (nothing verified) and are judged by
+    # the tokens that follow. One finds the draft right: then full blocks.
+    probes = [r for r in rounds[:first] if r[2]]
+    assert probes[:3] == [(4, 1, True)] * 3 and probes[3:] and set(probes[3:]) == {(1, 1, True)}, rounds
+    assert rounds[first] == (16, 16, True) and all(a == v and d for v, a, d in rounds[first:])
+
+
+@pytest.mark.parametrize("kw, shadow", [({}, True), ({"temperature": 0.7, "seed": 1}, True),
+                                        ({"temperature": 0.7}, False)])
+def test_probes_beside_plain_steps(loaded, draft_for, kw, shadow):
+    """A useless draft's probes, once 4 plain steps separate them, run its
+    draft pass beside a plain step and verify nothing, where the target's
+    choice is the token itself (greedy, seeded noise); the p/q rule of
+    unseeded sampled drafts needs a verify."""
+    model, tok, folder = loaded("qwen3")
+    out, _, rounds = auto_run(model, draft_for(folder), tok, PROMPTS[0], max_tokens=80, costs=COSTS, **kw)
+    if not kw:
+        assert out == mlx_tokens(model, tok, PROMPTS[0], 80)
+    probes = [v for v, _, d in rounds if d]
+    assert len(probes) >= 6 and all(v > 1 for v in probes[:3]), rounds
+    assert all((v == 1) == shadow for v in probes[3:]), rounds
 
 
 def test_expensive_verify_gives_short_rounds(loaded, draft_for, monkeypatch):

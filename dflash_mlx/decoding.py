@@ -442,7 +442,7 @@ class _Decoder:
         # tokens they then choose, as a verify would (see _shadow_probe): where
         # the target's choice is the token itself (greedy, seeded noise, or a
         # sampler's draw), not the p/q rule or a threshold.
-        self.shades = self.pipelined and threshold is None and (tuner is None or noise is not None)
+        self.can_shadow = self.pipelined and threshold is None and (tuner is None or noise is not None)
         self._shadow = None  # [guess, first position, limit, length or None] of such a probe
         self._tick = None  # when the last round (or the prefill) ended
 
@@ -485,7 +485,7 @@ class _Decoder:
         anchor = mx.array(history[-1:])
         self._check_shadow(history)
         drafted = self.drafts(length)
-        if drafted and self.shades and self.policy is not None and self.policy.shades():
+        if drafted and self.can_shadow and self.policy is not None and self.policy.shades():
             self._shadow_probe(anchor, length, len(history))
             drafted = False
         if not drafted and self.pipelined:
@@ -538,10 +538,8 @@ class _Decoder:
             n = self._shadow[3] = self.policy.length(guess[2].tolist(), limit)
         got = history[pos : pos + n - 1]
         drafts = self.cut(guess, n)[0]
-        a = 0
-        for d, t in zip(drafts.tolist() if drafts is not None else [], got):
-            if d != t:
-                break
+        drafts, a = drafts.tolist() if drafts is not None else [], 0
+        while a < len(got) and drafts[a] == got[a]:
             a += 1
         if a < len(got) or len(got) == n - 1:
             self.policy.update(n, a, True)

@@ -13,6 +13,7 @@ from dflash_mlx import GenerationArgumentError, stream_generate
 from dflash_mlx import policy as pol
 from dflash_mlx.policy import Costs, Policy
 from dflash_mlx.target import Target
+from test_draft_vocab import vocab_draft
 from test_sampling import TEMP, TOP_K, target_law, tv
 from util import mlx_run, mlx_tokens, runs
 
@@ -86,16 +87,22 @@ def test_right_draft_takes_full_blocks(loaded, draft_for):
     assert rounds == [(4, 4, True)] + [(16, 16, True)] * 3 + [(7, 7, True)]
 
 
-def test_draft_that_becomes_right_is_used_again(loaded, draft_for):
+@pytest.mark.parametrize("own_vocab", [False, True])
+def test_draft_that_becomes_right_is_used_again(loaded, draft_for, tmp_path, own_vocab):
     """The echo token only starts repeating after a while: plain steps with
-    probes first, then full blocks once a probe finds the draft right."""
+    probes first, then full blocks once a probe finds the draft right (also
+    with a draft vocabulary: its guesses are compared as target ids)."""
     model, tok, folder = loaded("qwen3", tied=True)
     prompt = "import os\n"
     ref = mlx_tokens(model, tok, prompt, 60)
     late = runs(ref)[-1]
     start = ref.index(late)
     assert start > 8 and set(ref[start:]) == {late}
-    draft = draft_for(folder, mask_token_id=late, echo=True)
+    if own_vocab:
+        vocab = [late] + [i for i in range(Target(model).vocab_rows) if i not in ref][:40]
+        draft = vocab_draft(tmp_path / "d", folder, vocab[::-1], mask_token_id=late, echo=True)
+    else:
+        draft = draft_for(folder, mask_token_id=late, echo=True)
     out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=60, costs=COSTS)
     assert out == ref
     first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)

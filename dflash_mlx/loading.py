@@ -125,6 +125,9 @@ def load(
     dtype = dtype or (mx.float32 if _on_cpu() else None)
     if dtype is not None:
         model.set_dtype(dtype)
+        # Cast now: a lazy cast belongs to this thread's stream, and MLX could
+        # not evaluate it from another thread (a server's, a notebook's).
+        mx.eval(model.parameters())
     return model, tokenizer
 
 

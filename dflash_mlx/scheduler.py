@@ -1,112 +1,179 @@
-"""The server's generation thread: requests join one :class:`.batch.Batch` as
-they arrive and leave it when they finish or their client goes."""
+"""The server's model thread: every MLX operation of the server runs on it.
+
+MLX gives each thread its own streams, and a lazy array can only be evaluated
+on the thread whose stream made it. So the HTTP threads never touch the model,
+its caches or any array: they hand a :class:`Job` to this thread and read back
+plain Python values. Up to ``width`` jobs are decoded together in one
+:class:`.batch.Batch` when the target allows it, else one at a time with
+:func:`.stream_generate`.
+"""
 
 import collections
 import logging
-import queue
 import threading
-from dataclasses import dataclass, field
-from typing import Generator, List, Optional
+from typing import Callable, Optional, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from .batch import Batch
-from .decoding import GenerationResponse
+from .decoding import GenerationResponse, stream_generate
+from .errors import GenerationArgumentError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Job:
-    args: tuple
-    kwargs: dict
-    logprobs: bool = False
-    out: queue.Queue = field(default_factory=queue.Queue)
-    gone: threading.Event = field(default_factory=threading.Event)
+class Job(Protocol):
+    """A generation as the model thread runs it (all its calls are made there)."""
+
+    gone: threading.Event  # set by the client's side: stop as soon as you can
+
+    def start(self) -> dict:
+        """The keyword arguments of :meth:`.Batch.add` (prompt, max_tokens,
+        sampling, prompt_cache, draft_cache)."""
+
+    def feed(self, r: GenerationResponse) -> bool:
+        """Take the next response; False: stop here (e.g. a stop string)."""
+
+    def end(self, clean: bool) -> None:
+        """The generation is over; ``clean``: its prompt cache holds exactly
+        the tokens fed (it may be kept for later requests)."""
+
+    def fail(self, e: BaseException) -> None:
+        """The generation failed with ``e`` (``end`` is not called)."""
 
 
 class Scheduler:
-    """Runs every generation of a model on one thread, up to ``width`` at a
-    time in one batch; the others wait in arrival order.
+    """The thread that owns a model and runs every job on it.
 
     Args:
-        batch: The (empty) batch the generations share.
-        width: The most generations decoded together.
+        model, draft, tokenizer, block_size: The pair, as for :func:`.stream_generate`.
+        width: The most jobs decoded together (1: one at a time).
+        sticky: Run every job to its end even if its client goes (ranks of a
+            sharded target must all run the same forwards).
     """
 
-    def __init__(self, batch: Batch, width: int = 4):
-        self.batch, self.width = batch, width
+    def __init__(self, model, draft, tokenizer, block_size="auto", width: int = 4, sticky: bool = False):
+        self.model, self.draft, self.tokenizer, self.block_size = model, draft, tokenizer, block_size
+        self.width, self.sticky = width, sticky
+        self.batch: Optional[Batch] = None
         self._waiting: collections.deque = collections.deque()
         self._wake = threading.Condition()
-        self._thread = threading.Thread(target=self._loop, name="dflash-scheduler", daemon=True)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dflash-model", daemon=True)
         self._thread.start()
+        self._ready.wait()
 
-    def stream(self, prompt: List[int], max_tokens: int, logprobs: bool = False,
-               **kwargs) -> Generator[GenerationResponse, None, None]:
-        """Like :func:`.stream_generate` on the batch's pair (``kwargs``: the
-        sampling settings, ``prompt_cache`` and ``draft_cache``). Closing the
-        generator takes the generation out of the batch. ``logprobs``: the
-        responses' log-probabilities are read (evaluated here, in float32:
-        MLX evaluates lazy arrays on the thread that made them)."""
-        job = _Job((prompt, max_tokens), kwargs, logprobs)
+    def submit(self, job: Job) -> None:
+        """Queue ``job`` (jobs start in arrival order)."""
         with self._wake:
             self._waiting.append(job)
             self._wake.notify()
-        try:
-            while True:
-                r = job.out.get()
-                if isinstance(r, BaseException):
-                    raise r
-                yield r
-                if r.finish_reason:
-                    return
-        finally:
-            job.gone.set()
-            with self._wake:
-                self._wake.notify()
+
+    def wake(self) -> None:
+        """Look at the jobs again now (a client went)."""
+        with self._wake:
+            self._wake.notify()
+
+    def call(self, fn: Callable):
+        """Run ``fn()`` on the model thread between rounds and return its result."""
+        done, out = threading.Event(), {}
+
+        def run():
+            try:
+                out["value"] = fn()
+            except BaseException as e:
+                out["error"] = e
+            done.set()
+
+        self.submit(run)
+        done.wait()
+        if "error" in out:
+            raise out["error"]
+        return out.get("value")
 
     def _loop(self) -> None:
-        jobs = {}
         with mx.stream(generation_stream):
-            try:  # measured now (once per machine), not in the middle of requests
-                self.batch.calibrate(self.width)
-            except Exception:
-                log.exception("Could not measure the batched costs; they are measured when needed.")
+            self.batch = self._make_batch()
+            self._ready.set()
+            if self.batch is not None:
+                try:  # measured now (once per machine), not in the middle of requests
+                    self.batch.calibrate(self.width)
+                except Exception:
+                    log.exception("Could not measure the batched costs; they are measured when needed.")
+            jobs = {}
             while True:
                 try:
                     self._turn(jobs)
-                except Exception as e:  # never expected: fail the rows in it, keep serving
-                    log.exception("Batched generation failed")
+                except Exception as e:  # never expected: fail the jobs in it, keep serving
+                    log.exception("Generation failed")
                     for job in jobs.values():
-                        job.out.put(e)
+                        job.fail(e)
                     jobs.clear()
-                    self.batch.clear()
+                    if self.batch is not None:
+                        self.batch.clear()
+
+    def _make_batch(self) -> Optional[Batch]:
+        if self.width <= 1:
+            return None
+        try:
+            return Batch(self.model, self.draft, self.tokenizer, self.block_size)
+        except (GenerationArgumentError, UnsupportedModelError) as e:  # mlx.launch, recurrent caches
+            log.info("Requests run one at a time: %s", e)
+            return None
 
     def _turn(self, jobs: dict) -> None:
-        """Admit waiting requests, drop the ones whose client left, run a round."""
+        """Admit waiting jobs, drop those whose client left, run a round."""
         with self._wake:
             while not jobs and not self._waiting:
                 self._wake.wait()
             admit = []
-            while self._waiting and len(jobs) + len(admit) < self.width:
+            width = self.width if self.batch is not None else 1
+            while self._waiting and (callable(self._waiting[0]) or len(jobs) + len(admit) < width):
                 admit.append(self._waiting.popleft())
         for job in admit:
-            if job.gone.is_set():
-                continue
-            try:
-                jobs[self.batch.add(*job.args, **job.kwargs)] = job
-            except Exception as e:  # a bad request: its own error, the others go on
-                job.out.put(e)
-        for key in [k for k, j in jobs.items() if j.gone.is_set()]:
+            if callable(job):
+                job()
+            elif self.batch is None:
+                self._alone(job)
+            elif not job.gone.is_set():
+                try:
+                    jobs[self.batch.add(**job.start())] = job
+                except Exception as e:  # a bad request: its own error, the others go on
+                    job.fail(e)
+        for key in [k for k, j in jobs.items() if j.gone.is_set() and not self.sticky]:
             log.info("A client left: its generation stopped after %d tokens.", self.batch.rows[key].n)
             self.batch.remove(key)
-            del jobs[key]
+            jobs.pop(key).end(False)
         if jobs:
             for key, r in self.batch.step():
-                if jobs[key].logprobs:
-                    r.logprobs = r.logprobs.astype(mx.float32)
-                    mx.eval(r.logprobs)
-                jobs[key].out.put(r)
-                if r.finish_reason:
-                    del jobs[key]
+                job = jobs.get(key)
+                if job is None:  # stopped earlier in this step
+                    continue
+                more = job.feed(r)
+                if r.finish_reason:  # it has left the batch
+                    jobs.pop(key).end(True)
+                elif not more:  # a stop string: the rest is not wanted
+                    self.batch.remove(key)
+                    jobs.pop(key).end(False)
+
+    def _alone(self, job: Job) -> None:
+        """Run ``job`` on its own with :func:`.stream_generate`."""
+        if job.gone.is_set() and not self.sticky:
+            return job.end(False)
+        try:
+            kw = job.start()
+            inner = stream_generate(self.model, self.draft, self.tokenizer, kw.pop("prompt"),
+                                    block_size=self.block_size, **kw)
+            fed = False
+            try:
+                for r in inner:
+                    fed = True
+                    if not job.feed(r) or (job.gone.is_set() and not self.sticky):
+                        break
+            finally:
+                inner.close()
+        except Exception as e:
+            return job.fail(e)
+        job.end(fed)
+

@@ -23,6 +23,7 @@ import collections
 import itertools
 import json
 import logging
+import queue
 import re
 import select
 import socket
@@ -38,7 +39,9 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .decoding import DraftCache
+from .distributed import group
 from .errors import DFlashError, run_command
+from .scheduler import Scheduler
 from .target import Target, model_args
 
 log = logging.getLogger("dflash_mlx.server")
@@ -53,29 +56,6 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
-
-
-class FifoLock:
-    """A lock granted in the order it was asked for."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._queue = collections.deque()
-        self._held = False
-
-    def __enter__(self):
-        me = object()
-        with self._cond:
-            self._queue.append(me)
-            while self._held or self._queue[0] is not me:
-                self._cond.wait()
-            self._queue.popleft()
-            self._held = True
-
-    def __exit__(self, *exc):
-        with self._cond:
-            self._held = False
-            self._cond.notify_all()
 
 
 class PromptCache:
@@ -185,27 +165,12 @@ class Served:
         self.max_tokens = max_tokens
         self.chat_template_args = chat_template_args or {}
         self.cache = PromptCache(prompt_cache_size, prompt_cache_bytes)
-        self.lock = FifoLock()
         self.context = _context_length(model)
         self.vocab = Target(model).vocab_rows
         self.created = int(time.time())
-        self.scheduler = _scheduler(model, draft, tokenizer, block_size, concurrency)
-
-
-def _scheduler(model, draft, tokenizer, block_size, width: int):
-    """The batching scheduler, or None: requests then run one at a time."""
-    from .batch import Batch
-    from .errors import GenerationArgumentError, UnsupportedModelError
-    from .scheduler import Scheduler
-
-    if width <= 1:
-        return None
-    try:
-        batch = Batch(model, draft, tokenizer, block_size)
-    except (GenerationArgumentError, UnsupportedModelError) as e:  # mlx.launch, recurrent caches
-        log.info("Requests run one at a time: %s", e)
-        return None
-    return Scheduler(batch, width)
+        # The one thread that runs the model; a sharded target's ranks run
+        # every generation to its end.
+        self.scheduler = Scheduler(model, draft, tokenizer, block_size, concurrency, sticky=group() is not None)
 
 
 def _context_length(model) -> Optional[int]:
@@ -340,6 +305,17 @@ def _chat_ids(served: Served, body) -> List[int]:
 # ---------------------------------------------------------------- generation
 
 @dataclass
+class Piece:
+    """What the model thread sends a request's HTTP thread: plain Python values."""
+
+    text: str
+    records: list  # log-probability records of that text
+    finish: Optional[str]
+    last: object  # the latest GenerationResponse (its statistics are read)
+    cached: int
+
+
+@dataclass
 class Outcome:
     """What a finished (or stopped) generation reports."""
 
@@ -355,30 +331,26 @@ class Outcome:
 
 
 def generate(served: Served, req: Request, out: Outcome, lead: bool = True):
-    """Yield the text of ``req`` piece by piece (stop strings applied) while
-    holding the model; ``out`` gets the finish reason and statistics.
+    """Yield the text of ``req`` piece by piece (stop strings applied), made
+    on the model thread; ``out`` gets the finish reason and statistics.
+    Closing the generator stops the generation.
 
     On a target sharded over ranks (``mlx.launch``) rank 0 (``lead``) first
     shares the request with the other ranks, which run it too, and every rank
     runs each generation to the same end: a client that leaves only stops
     being written to."""
-    from .distributed import group, share
-
-    if served.scheduler is not None:  # batched: no turn to wait for
-        yield from _generate(served, req, out)
-        return
-    with served.lock:
-        if lead and group() is not None:
-            share(asdict(req))
-        pieces = _generate(served, req, out)
-        try:
-            for piece in pieces:
-                yield piece
-        finally:
-            if group() is not None:
-                for _ in pieces:
-                    pass
-            pieces.close()
+    reply = Reply(served, req, lead)
+    served.scheduler.submit(reply)
+    try:
+        while (p := reply.queue.get()) is not None:
+            if isinstance(p, BaseException):
+                raise p
+            out.finish, out.last, out.cached = p.finish, p.last, p.cached
+            out.logprobs += p.records
+            yield p.text
+    finally:
+        reply.gone.set()
+        served.scheduler.wake()
 
 
 def follow(served: Served) -> None:
@@ -394,56 +366,64 @@ def follow(served: Served) -> None:
             pass  # rank 0 answers it
 
 
-def _generate(served: Served, req: Request, out: Outcome):
-    from .decoding import stream_generate
+class Reply:
+    """One request as the model thread runs it (a :class:`.scheduler.Job`):
+    it takes the longest cached prefix, turns responses into text pieces
+    (stop strings, log-probabilities) and keeps the cache of a clean end."""
 
-    entry, reused = served.cache.take(req.ids)
-    out.cached = reused
-    if entry is None:
+    def __init__(self, served: Served, req: Request, lead: bool = True):
+        self.served, self.req, self.lead = served, req, lead
+        self.gone = threading.Event()
+        self.queue: queue.Queue = queue.Queue()
+        self.entry, self.cached, self.last = None, 0, None
+        self.tokens, self.text, self.sent = list(req.ids), "", 0
+        self.held: list = []  # records of text not sent yet
+        self.hold = max((len(s) for s in req.stop), default=1) - 1
+
+    def start(self) -> dict:
         from mlx_lm.models.cache import make_prompt_cache
 
-        drafting = served.draft is not None and served.block_size != 1
-        entry = (make_prompt_cache(served.model), DraftCache(served.draft) if drafting else None)
-    tokens, consistent = list(req.ids), False
-    if served.scheduler is not None:
-        inner = served.scheduler.stream(req.ids[reused:], req.max_tokens, prompt_cache=entry[0],
-                                        draft_cache=entry[1], logprobs=req.logprobs is not None,
-                                        **req.sampling)
-    else:
-        inner = stream_generate(
-            served.model, served.draft, served.tokenizer, req.ids[reused:], block_size=served.block_size,
-            max_tokens=req.max_tokens, prompt_cache=entry[0], draft_cache=entry[1], **req.sampling)
-    text, sent, hold = "", 0, max((len(s) for s in req.stop), default=1) - 1
-    held = []  # log-probability records of text not yielded yet
-    try:
-        while (r := _next(inner)) is not None:
-            # A batched row goes on until the scheduler drops it: only a
-            # finished one leaves its cache at the tokens seen here.
-            consistent, out.last = served.scheduler is None or r.finish_reason is not None, r
-            tokens += r.tokens
-            if req.logprobs is not None:
-                held += _records(served, r, req.logprobs, len(text))
-            text += r.text
-            cut = min((i for i in (text.find(s, sent) for s in req.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                out.finish = "stop"
-                out.logprobs += [h for h in held if h["offset"] < cut]
-                yield text[sent:cut]
-                return
-            end = len(text) if r.finish_reason else max(sent, len(text) - hold)
-            out.logprobs += [h for h in held if h["end"] <= end]
-            held = [h for h in held if h["end"] > end]
-            piece, sent = text[sent:end], end
-            out.finish = r.finish_reason
-            if piece or r.finish_reason:
-                yield piece
-            if r.finish_reason:
-                return
-            consistent = False
-    finally:
-        inner.close()
-        if consistent and out.last is not None:
-            _keep(served, entry, tokens, len(req.ids) + out.last.committed)
+        from .distributed import group, share
+
+        s, req = self.served, self.req
+        if self.lead and group() is not None:
+            share(asdict(req))
+        self.entry, self.cached = s.cache.take(req.ids)
+        if self.entry is None:
+            drafting = s.draft is not None and s.block_size != 1
+            self.entry = (make_prompt_cache(s.model), DraftCache(s.draft) if drafting else None)
+        return dict(prompt=req.ids[self.cached:], max_tokens=req.max_tokens, prompt_cache=self.entry[0],
+                    draft_cache=self.entry[1], **req.sampling)
+
+    def feed(self, r) -> bool:
+        req, self.last = self.req, r
+        self.tokens += r.tokens
+        if req.logprobs is not None:
+            self.held += _records(self.served, r, req.logprobs, len(self.text))
+        self.text += r.text
+        cut = min((i for i in (self.text.find(s, self.sent) for s in req.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._send(cut, "stop")
+            return False
+        end = len(self.text) if r.finish_reason else max(self.sent, len(self.text) - self.hold)
+        if end > self.sent or r.finish_reason:
+            self._send(end, r.finish_reason)
+        return r.finish_reason is None
+
+    def _send(self, end: int, finish: Optional[str]) -> None:
+        stop = finish == "stop"  # the text ends at a stop string: the records that start before it
+        records = [h for h in self.held if (h["offset"] < end if stop else h["end"] <= end)]
+        self.held = self.held[len(records):]
+        self.queue.put(Piece(self.text[self.sent:end], records, finish, self.last, self.cached))
+        self.sent = end
+
+    def end(self, clean: bool) -> None:
+        if clean and self.last is not None:
+            _keep(self.served, self.entry, self.tokens, len(self.req.ids) + self.last.committed)
+        self.queue.put(None)
+
+    def fail(self, e: BaseException) -> None:
+        self.queue.put(ApiError(str(e)) if isinstance(e, (DFlashError, ValueError)) else e)
 
 
 def _records(served: Served, r, top: int, start: int) -> List[dict]:
@@ -483,14 +463,6 @@ def _logprobs(req: Request, records: List[dict]):
                         for r in records], "refusal": None}
 
 
-def _next(inner):
-    """The next response of ``inner`` or None; argument errors become 400 answers."""
-    try:
-        return next(inner, None)
-    except (DFlashError, ValueError) as e:
-        raise ApiError(str(e)) from None
-
-
 def _keep(served: Served, entry: tuple, tokens: List[int], held: int) -> None:
     """Store ``entry`` (holding ``held`` tokens, the first of ``tokens``)."""
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -505,7 +477,7 @@ def _keep(served: Served, entry: tuple, tokens: List[int], held: int) -> None:
         held = len(tokens)
     if dcache is not None and dcache.size != held:  # never expected; stay exact
         dcache = None
-    # Evaluate here: MLX cannot evaluate another thread's lazy arrays later.
+    # Evaluated now: the graph behind them is freed while the entry waits.
     arrays = [c.state for c in cache]
     if dcache is not None:
         arrays += [c.state for c in dcache.cache if c.keys is not None] + [dcache.pending]
@@ -728,8 +700,7 @@ def _run(args) -> int:
     finally:
         server.server_close()
         if group() is not None:
-            with served.lock:
-                share(None)  # the followers stop
+            served.scheduler.call(lambda: share(None))  # the followers stop
     return 0
 
 

@@ -118,12 +118,14 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
 
 
 def make_target(
-    folder: Path, arch: str, seed: int = 0, layers: int = 6, tied: bool = False, **overrides
+    folder: Path, arch: str, seed: int = 0, layers: int = 6, tied: bool = False, dtype=None, **overrides
 ) -> Path:
     """Write a random tiny target of ``arch`` to ``folder``.
 
     A ``tied`` target (embedding used as its head) tends to repeat its input
-    token, which gives a draft something it can predict."""
+    token, which gives a draft something it can predict. ``dtype``: store the
+    weights in it (e.g. mx.float16, as hub checkpoints are), with its
+    ``torch_dtype`` in config.json."""
     n_tok = write_tokenizer(folder)
     vocab = n_tok + 16  # padded rows, like Qwen's embedding table
     config = {**target_config(arch, vocab, layers, tied or arch == "llama"), **overrides}
@@ -135,6 +137,9 @@ def make_target(
         model.lm_head.weight = model.model.embed_tokens.weight
     if arch.endswith("4bit"):
         model, config = quantize_model(model, config, group_size=32, bits=4)
+    if dtype is not None:
+        model.set_dtype(dtype)
+        config["torch_dtype"] = str(dtype).split(".")[-1]
     mx.eval(model.parameters())
     mx.save_safetensors(
         str(folder / "model.safetensors"), dict(tree_flatten(model.parameters()))

@@ -1,7 +1,7 @@
 """dflash_mlx: DFlash block-diffusion speculative decoding for mlx-lm models."""
 
-from .config import DFlashConfig
-from .draft import DFlashDraft
+from .models.config import DFlashConfig
+from .engine.draft import DFlashDraft
 from .errors import (
     DFlashError,
     DraftConfigError,
@@ -12,8 +12,8 @@ from .errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from .decoding import DraftCache, GenerationResponse, generate, stream_generate
-from .batch import Batch, batch_generate
-from .loading import check_compatible, load, load_draft, save_draft
+from .engine.decoding import DraftCache, GenerationResponse, generate, stream_generate
+from .engine.batch import Batch, batch_generate
+from .models.loading import check_compatible, load, load_draft, save_draft
 
 __version__ = "0.1.0"

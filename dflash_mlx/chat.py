@@ -37,8 +37,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _run(args) -> int:
     from .generate import _resolve
-    from .loading import load, load_draft
-    from .server import ApiError, Served, parse_request
+    from .models.loading import load, load_draft
+    from .serve.server import ApiError, Served, parse_request
 
     model_path, draft_path = _resolve(args)
     model, tokenizer = load(model_path)
@@ -73,7 +73,7 @@ def _run(args) -> int:
 
 def _reply(served, req) -> str:
     """Stream one reply and print its statistics; return its text."""
-    from .server import Outcome, generate
+    from .serve.server import Outcome, generate
 
     out, reply = Outcome(), ""
     for piece in generate(served, req, out):

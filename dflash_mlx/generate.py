@@ -1,6 +1,6 @@
 """`python -m dflash_mlx.generate`: stream DFlash generation in a terminal.
 
-The decoding loop itself lives in :mod:`dflash_mlx.decoding`; its public
+The decoding loop itself lives in :mod:`dflash_mlx.engine.decoding`; its public
 functions are re-exported here for `from dflash_mlx.generate import ...`.
 """
 
@@ -11,9 +11,9 @@ import types
 from pathlib import Path
 from typing import List, Optional
 
-from .decoding import GenerationResponse, generate, print_stats, stream_generate
+from .engine.decoding import GenerationResponse, generate, print_stats, stream_generate
 from .errors import run_command
-from .policy import Policy
+from .engine.policy import Policy
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -162,8 +162,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _run(args) -> int:
     if args.compare_runs < 1:
         raise ValueError(f"--compare-runs must be at least 1, got {args.compare_runs}.")
-    from .distributed import quiet_followers
-    from .loading import load, load_draft
+    from .models.distributed import quiet_followers
+    from .models.loading import load, load_draft
 
     quiet_followers()  # launched on several ranks: only rank 0 prints
     model_path, draft_path = _resolve(args)

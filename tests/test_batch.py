@@ -3,8 +3,8 @@
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from dflash_mlx.batch import Batch, batch_generate
-from dflash_mlx.decoding import DraftCache
+from dflash_mlx.engine.batch import Batch, batch_generate
+from dflash_mlx.engine.decoding import DraftCache
 from dflash_mlx.errors import UnsupportedModelError
 from util import dflash_tokens, mlx_tokens, runs
 
@@ -130,8 +130,8 @@ def test_refuses_recurrent_targets(loaded, draft_for):
 
 
 def test_batch_costs_are_measured_per_width(loaded, draft_for, tmp_path, monkeypatch):
-    from dflash_mlx import policy as pol
-    from dflash_mlx.target import Target
+    from dflash_mlx.engine import policy as pol
+    from dflash_mlx.engine.target import Target
 
     monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
     model, tok, folder = loaded("qwen3")
@@ -145,7 +145,7 @@ def test_batch_costs_are_measured_per_width(loaded, draft_for, tmp_path, monkeyp
 def test_useless_draft_in_a_batch_takes_plain_steps(loaded, draft_for):
     """Random draft weights and given costs (drafting not free): the rows'
     policies soon stop drafting and the batch runs plain steps together."""
-    from dflash_mlx.policy import Costs
+    from dflash_mlx.engine.policy import Costs
 
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)

@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from tiny import make_draft, make_target  # noqa: E402
 from util import count_pq  # noqa: E402
 
-from dflash_mlx import benchmark as bm  # noqa: E402
-from dflash_mlx.datasets import DatasetError, load_samples, pick_file, read_jsonl  # noqa: E402
+from dflash_mlx.bench import benchmark as bm  # noqa: E402
+from dflash_mlx.bench.datasets import DatasetError, load_samples, pick_file, read_jsonl  # noqa: E402
 from dflash_mlx.generate import EMBEDDED, known_draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,7 +353,7 @@ def test_hub_formats(tmp_path, monkeypatch):
     """The paper datasets' prompt formats, with the hub replaced by local files."""
     import huggingface_hub
 
-    from dflash_mlx import datasets as ds
+    from dflash_mlx.bench import datasets as ds
 
     rows = {
         "HuggingFaceH4/MATH-500": [{"problem": "What is 1+1?"}],

@@ -14,7 +14,7 @@ from dflash_mlx import (
     check_compatible,
     load_draft,
 )
-from dflash_mlx.config import DFlashConfig, default_layer_ids
+from dflash_mlx.models.config import DFlashConfig, default_layer_ids
 from tiny import make_draft
 
 

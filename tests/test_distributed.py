@@ -25,7 +25,7 @@ WORKER = textwrap.dedent(
     import mlx.core as mx
     import mlx_lm
     from dflash_mlx import load, load_draft, stream_generate
-    from dflash_mlx import distributed
+    from dflash_mlx.models import distributed
 
     spec = json.loads(sys.argv[1])
     group = distributed.group()
@@ -96,7 +96,8 @@ PIPELINE = textwrap.dedent(
     """
     import json, sys
     import mlx_lm
-    from dflash_mlx import distributed, load, load_draft, stream_generate
+    from dflash_mlx import load, load_draft, stream_generate
+    from dflash_mlx.models import distributed
 
     target, draft, right, out = sys.argv[1:]
     model, tok = load(target, pipeline=True)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import DraftConfigError, load_draft
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.data import Sequence
-from dflash_mlx.features import FeatureStore
-from dflash_mlx.target import Target
+from dflash_mlx.models.config import DFlashConfig
+from dflash_mlx.training.data import Sequence
+from dflash_mlx.engine.features import FeatureStore
+from dflash_mlx.engine.target import Target
 from tiny import make_draft, make_target
 from util import dflash_tokens, mlx_tokens, runs
 

@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import ModelLoadError, ModelNotFoundError, UnsupportedModelError, load, registry
-from dflash_mlx.gguf import converted
+from dflash_mlx import ModelLoadError, ModelNotFoundError, UnsupportedModelError, load
+from dflash_mlx.models import registry
+from dflash_mlx.models.gguf import converted
 from util import mlx_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import ARCHS
 from dflash_mlx import GenerationArgumentError, stream_generate
-from dflash_mlx import policy as pol
-from dflash_mlx.policy import Costs, Policy
-from dflash_mlx.target import Target
+from dflash_mlx.engine import policy as pol
+from dflash_mlx.engine.policy import Costs, Policy
+from dflash_mlx.engine.target import Target
 from test_draft_vocab import vocab_draft
 from test_sampling import TEMP, TOP_K, target_law, tv
 from util import mlx_run, mlx_tokens, runs
@@ -207,7 +207,7 @@ def test_block_size_arguments(loaded, draft_for):
 
 
 def test_cli_parsers_accept_auto():
-    from dflash_mlx import benchmark
+    from dflash_mlx.bench import benchmark
     from dflash_mlx.generate import build_parser
 
     p = build_parser()
@@ -283,7 +283,7 @@ def test_pipelined_plain_steps_leave_the_caches_whole(loaded, draft_for):
     exactly a fresh run's tokens; with a draft the draft cache matches."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from dflash_mlx.decoding import DraftCache
+    from dflash_mlx.engine.decoding import DraftCache
 
     model, tok, folder = loaded("qwen3")
     prompt = PROMPTS[0]

@@ -8,8 +8,8 @@ from mlx_lm.models.cache import ArraysCache, KVCache
 
 from conftest import HYBRID
 from dflash_mlx import stream_generate
-from dflash_mlx.rollback import rollback
-from dflash_mlx.target import Target
+from dflash_mlx.engine.rollback import rollback
+from dflash_mlx.engine.target import Target
 from util import mlx_tokens, runs
 
 

@@ -9,7 +9,7 @@ from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logi
 import pytest
 
 from conftest import ARCHS
-from dflash_mlx.sampling import Noise, accepted, make_draw, make_sampler
+from dflash_mlx.engine.sampling import Noise, accepted, make_draw, make_sampler
 from util import dflash_tokens, mlx_tokens, runs
 
 TEMP, TOP_K, N = 1.0, 3, 3
@@ -145,7 +145,7 @@ def test_confidence_is_the_top_probability_within_two_hundredths():
     """The draft's confidence builds its exps from float32 bits: within 0.02
     of the top probability however peaked the rows, from bf16 and from
     masked (-inf) logits too."""
-    from dflash_mlx.draft import confidence
+    from dflash_mlx.engine.draft import confidence
 
     rng = np.random.default_rng(1)
     for scale in (0.1, 1.0, 3.0, 8.0, 30.0):
@@ -160,7 +160,7 @@ def test_confidence_is_the_top_probability_within_two_hundredths():
 def test_distribution_from_raw_logits_matches_mlx_softmax():
     """Sampled rounds feed raw logits (no log-softmax) to the filters and take
     their softmax as powers of 2."""
-    from dflash_mlx.sampling import make_distribution, process
+    from dflash_mlx.engine.sampling import make_distribution, process
 
     rng = np.random.default_rng(0)
     logits = mx.array(rng.standard_normal((16, 4160), dtype=np.float32) * 6 + 30)
@@ -197,7 +197,7 @@ def near_tie_logits(rows=3, vocab=4096):
 
 
 def test_greedy_fast_path_agrees_with_exact_path():
-    from dflash_mlx.sampling import greedy, process
+    from dflash_mlx.engine.sampling import greedy, process
 
     exact = make_sampler(0.0)
     for seed in range(20):
@@ -213,8 +213,8 @@ def test_greedy_fast_path_agrees_with_exact_path():
 
 
 def test_round_redoes_near_ties_exactly(loaded):
-    from dflash_mlx.decoding import _Decoder
-    from dflash_mlx.target import Target
+    from dflash_mlx.engine.decoding import _Decoder
+    from dflash_mlx.engine.target import Target
 
     model, _, _ = loaded("qwen3")
     dec = _Decoder(Target(model), None, None, None, False, sampler=make_sampler(0.0), greedy=True)

@@ -89,7 +89,7 @@ def test_interleaved_generators(loaded, draft_for):
 
 @pytest.mark.parametrize("arch", HYBRID)
 def test_taps_undone_when_forward_fails(arch, loaded):
-    from dflash_mlx.target import Target
+    from dflash_mlx.engine.target import Target
 
     model, _, _ = loaded(arch)
     target = Target(model)

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.server import Served, make_server
+from dflash_mlx.serve.server import Served, make_server
 from tiny import make_draft
 from util import free_port, mlx_run, openai_client
 
@@ -196,7 +196,7 @@ def test_three_concurrent_clients(server, pair, client):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream, caplog):
-    caplog.set_level(logging.INFO, logger="dflash_mlx.scheduler")
+    caplog.set_level(logging.INFO, logger="dflash_mlx.serve.scheduler")
     srv, served = server
     served.cache.clear()
     body = json.dumps({"prompt": "print(", "max_tokens": 4000, "stream": stream}).encode()
@@ -212,7 +212,7 @@ def test_disconnect_mid_stream_frees_the_model(server, pair, client, stream, cap
     while len(served.scheduler.batch) and time.time() < deadline:
         time.sleep(0.05)
     assert not len(served.scheduler.batch)
-    left = [r.args[0] for r in caplog.records if r.name == "dflash_mlx.scheduler"]
+    left = [r.args[0] for r in caplog.records if r.name == "dflash_mlx.serve.scheduler"]
     assert len(left) == 1 and left[0] < 3000  # stopped well before 4000 tokens
     r = client.completions.create(model="tiny", prompt="def f(", max_tokens=8)
     assert r.choices[0].text == fresh(pair, "def f(", 8)
@@ -296,7 +296,7 @@ def test_prompt_cache_bounded_by_bytes(pair):
     from mlx_lm.models.cache import make_prompt_cache
 
     from dflash_mlx import DraftCache
-    from dflash_mlx.server import PromptCache, _nbytes, build_parser, parse_size
+    from dflash_mlx.serve.server import PromptCache, _nbytes, build_parser, parse_size
 
     model, draft, tok = pair[:3]
 
@@ -348,7 +348,7 @@ def test_draft_cache_keeps_the_drafts_context(pair):
     from mlx_lm.models.cache import make_prompt_cache
 
     from dflash_mlx import DraftCache
-    from dflash_mlx.target import Target
+    from dflash_mlx.engine.target import Target
 
     model, draft, tok = pair[:3]
     t = Target(model)

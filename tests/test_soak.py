@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.server import Served, make_server
+from dflash_mlx.serve.server import Served, make_server
 from tiny import make_draft, make_target
 
 THREADS, PER_THREAD = 8, 17  # 136 requests a checkpoint, 408 in all

@@ -12,11 +12,11 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.data import Sequence, read_records, regen_prompts, regenerate, sequences
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.target import Target
-from dflash_mlx.train import TrainArgs, block_logits, main, make_batch, next_anchors, train
+from dflash_mlx.models.config import DFlashConfig
+from dflash_mlx.training.data import Sequence, read_records, regen_prompts, regenerate, sequences
+from dflash_mlx.engine.draft import DFlashDraft
+from dflash_mlx.engine.target import Target
+from dflash_mlx.training.train import TrainArgs, block_logits, main, make_batch, next_anchors, train
 
 from tiny import corpus_files, make_target
 
@@ -335,7 +335,7 @@ def test_progress_lines_when_steps_skip():
     when updates jump by more than one step (regeneration reports per batch)."""
     import io
 
-    from dflash_mlx.train import Progress
+    from dflash_mlx.training.train import Progress
 
     out = io.StringIO()
     bar = Progress(3072, "regenerate", out=out)

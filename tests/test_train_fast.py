@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.data import Sequence, read_records, regen_prompts, regenerate
-from dflash_mlx.target import Target
-from dflash_mlx.train import REGEN, TrainArgs, main, make_batch, top_tokens, train
+from dflash_mlx.training.data import Sequence, read_records, regen_prompts, regenerate
+from dflash_mlx.engine.target import Target
+from dflash_mlx.training.train import REGEN, TrainArgs, main, make_batch, top_tokens, train
 
 from tiny import corpus_files, make_target
 
@@ -76,7 +76,7 @@ def test_draft_vocab_training_with_cached_features(tiny, tmp_path):
             assert got == want, (prompt, bs)
 
     # The shipped copy: config and float16 weights rounded from the exact ones, nothing else.
-    from dflash_mlx.train import export_draft, float32_weights
+    from dflash_mlx.training.train import export_draft, float32_weights
 
     export_draft(out, tmp_path / "shipped")
     assert sorted(f.name for f in (tmp_path / "shipped").iterdir()) == ["config.json", "model.safetensors"]

@@ -9,10 +9,11 @@ import pytest
 from tiny import make_draft
 from util import count_pq, dflash_tokens, mlx_run, runs
 
-from dflash_mlx import GenerationArgumentError, load_draft, proposal
+from dflash_mlx import GenerationArgumentError, load_draft
+from dflash_mlx.engine import proposal
 from dflash_mlx.errors import DraftConfigError, DraftWeightsError
-from dflash_mlx.loading import save_draft
-from dflash_mlx.policy import Costs, memo
+from dflash_mlx.models.loading import save_draft
+from dflash_mlx.engine.policy import Costs, memo
 
 PROMPTS = ["def foo(x):\n    return", "import os\n"]
 COSTS = Costs(draft=0.3, verify={1: 1.0, 16: 1.5})
@@ -158,7 +159,7 @@ def test_denoising_is_lossless(steps, loaded, draft_for):
 
 
 def test_denoising_keeps_the_surest_guesses(loaded, draft_for):
-    from dflash_mlx.target import Target
+    from dflash_mlx.engine.target import Target
 
     model, tok, folder = loaded("qwen3")
     draft, t = draft_for(folder), Target(model)
@@ -314,7 +315,7 @@ def test_cli_flags(loaded, tmp_path):
 
 
 def test_benchmark_draft_bits(loaded, tmp_path, capsys):
-    from dflash_mlx import benchmark as bm
+    from dflash_mlx.bench import benchmark as bm
 
     _, _, folder = loaded("qwen3")
     draft = make_draft(tmp_path / "d", folder)

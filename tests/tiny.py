@@ -13,9 +13,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes, quantize_model
 
-from dflash_mlx.config import DFlashConfig
-from dflash_mlx.draft import DFlashDraft
-from dflash_mlx.loading import save_draft
+from dflash_mlx.models.config import DFlashConfig
+from dflash_mlx.engine.draft import DFlashDraft
+from dflash_mlx.models.loading import save_draft
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (

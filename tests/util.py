@@ -29,7 +29,7 @@ def dflash_tokens(model, draft, tokenizer, prompt, **kw):
 
 def count_pq(monkeypatch) -> List[int]:
     """A one-item list counting the calls of the p/q rule in decoding."""
-    import dflash_mlx.decoding as decoding
+    import dflash_mlx.engine.decoding as decoding
 
     calls, rule = [0], decoding.speculative
 

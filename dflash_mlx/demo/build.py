@@ -176,7 +176,7 @@ def train_target(work: Path, a: TargetArgs, steps: int, batch: int, seq: int, lr
     saved target (a fresh schedule; pass another seed for other windows)."""
     from mlx_lm.models import qwen3
 
-    from ..train import Progress, make_schedule
+    from ..training.train import Progress, make_schedule
 
     out = work / "target"
     from tokenizers import Tokenizer
@@ -273,7 +273,7 @@ def copy_pair(work: Path, dest: Path) -> None:
     """Copy the built target, draft and prompts into the package folder."""
     import shutil
 
-    from ..train import export_draft
+    from ..training.train import export_draft
 
     dst = dest / "target"
     if dst.exists():
@@ -367,7 +367,7 @@ def main(argv=None):
     if "prompts" in stages:
         build_prompts(work)
     if "draft" in stages:
-        from ..train import main as train_main
+        from ..training.train import main as train_main
 
         data = snippets(work, regen, 64, args.seed)
         code = train_main(

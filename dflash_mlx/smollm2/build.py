@@ -57,7 +57,7 @@ def written(work: Path, args, make: bool) -> list:
     # (or a larger one) may hold fewer rows than asked: it is kept all the same.
     if make and not (asked.get("seed") == args.seed and asked.get("asked", 0) >= args.written):
         from .. import load
-        from ..train import Progress
+        from ..training.train import Progress
         from .written import written_prompts
 
         model, tok = load("smollm2")
@@ -78,7 +78,7 @@ def written(work: Path, args, make: bool) -> list:
 def evaluate(n: int, max_tokens: int) -> float:
     """Greedy tau of the installed draft over the first ``n`` held-out prompts."""
     from .. import load, load_draft
-    from ..train import evaluate as tau_of
+    from ..training.train import evaluate as tau_of
 
     model, tok = load("smollm2")
     draft = load_draft(str(DRAFT))
@@ -90,8 +90,8 @@ def evaluate(n: int, max_tokens: int) -> float:
 
 def main(argv=None) -> int:
     from ..errors import run_command
-    from ..train import export_draft
-    from ..train import main as train_main
+    from ..training.train import export_draft
+    from ..training.train import main as train_main
 
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="build/smollm2", help="Work folder (prompts, answers, features, checkpoints).")

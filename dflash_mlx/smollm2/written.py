@@ -36,7 +36,7 @@ def written_prompts(model, tokenizer, n: int, seed: int = 0, max_tokens: int = 9
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from ..data import regenerate
+    from ..training.data import regenerate
 
     r = random.Random(seed)
     mx.random.seed(seed)

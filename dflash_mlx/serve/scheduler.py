@@ -16,9 +16,9 @@ from typing import Callable, Optional, Protocol
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from .batch import Batch
-from .decoding import GenerationResponse, stream_generate
-from .errors import GenerationArgumentError, UnsupportedModelError
+from ..engine.batch import Batch
+from ..engine.decoding import GenerationResponse, stream_generate
+from ..errors import GenerationArgumentError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 

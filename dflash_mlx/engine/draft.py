@@ -10,7 +10,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .config import DFlashConfig
+from ..models.config import DFlashConfig
 from .sampling import shifted
 
 

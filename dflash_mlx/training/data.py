@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".json", ".toml", ".yaml", ".yml", ".html", ".css", ".sh"}
 

@@ -17,7 +17,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 import numpy as np
 
-from .errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
+from ..errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
 
 ARCHS = ("llama", "qwen2", "qwen3")
 VERSION = 2  # of the conversion; part of the cached folder's name

@@ -18,7 +18,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 _LAUNCH_VARS = ("MLX_RANK", "MLX_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _group = None

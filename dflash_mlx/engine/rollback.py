@@ -20,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, dynamic_roll
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 
 def trims_exactly(cache) -> bool:

@@ -431,11 +431,11 @@ def cache_key(target, draft) -> dict:
 def cached_costs(target, draft, root: Optional[Path] = None, width: int = 1) -> Costs:
     """The cost model of this pair on this machine (for ``width`` rows
     decoded together, see :func:`measure_costs`): read from
-    ``<root>/costs/`` (default :func:`dflash_mlx.gguf.cache_root`), or
+    ``<root>/costs/`` (default :func:`dflash_mlx.models.gguf.cache_root`), or
     measured (a few seconds) and saved. An unreadable file is measured
     again, with a warning."""
-    from . import distributed
-    from .gguf import cache_root
+    from ..models import distributed
+    from ..models.gguf import cache_root
 
     if distributed.group() is not None:
         # Every rank measures the same number of times (the target's collectives

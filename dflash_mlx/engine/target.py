@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .rollback import CacheTape, DeltaTape, check_rollback, trims_exactly
 
 
@@ -175,7 +175,7 @@ class Target:
             return None
         if not self.pipeline:
             return mx.concatenate([taps[i].value for i in layer_ids], axis=-1)
-        from .distributed import sum_ranks
+        from ..models.distributed import sum_ranks
 
         shape = (*tokens.shape, self.hidden_size)
         dtype = next((t.value.dtype for t in taps.values()), mx.float32)

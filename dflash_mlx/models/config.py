@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from .errors import DraftConfigError
+from ..errors import DraftConfigError
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import ModelLoadError, ModelNotFoundError
+from ..errors import ModelLoadError, ModelNotFoundError
 from .gguf import cache_root, converted, file_digest
 
 

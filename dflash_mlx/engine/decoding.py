@@ -10,10 +10,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .distributed import agree, group
+from ..models.distributed import agree, group
 from .draft import DFlashDraft, confidence
-from .errors import GenerationArgumentError
-from .loading import check_compatible
+from ..errors import GenerationArgumentError
+from ..models.loading import check_compatible
 from .policy import Costs, Policy, cached_costs
 from .proposal import Tuner
 from .rollback import rollback, trims_exactly
@@ -252,7 +252,7 @@ def stream_generate(
         block_size: Tokens verified per round (anchor included): ``"auto"``
             (the default, ``None``) chooses each round's length, from plain
             steps up to the draft's trained block, to be fastest (see
-            :mod:`dflash_mlx.policy`); an integer fixes it, 1 being plain
+            :mod:`dflash_mlx.engine.policy`); an integer fixes it, 1 being plain
             decoding. Larger than the draft's is refused.
         max_tokens: The most tokens to generate.
         temperature: 0 for greedy; else sampling temperature.
@@ -276,7 +276,7 @@ def stream_generate(
         profile: Synchronise after each phase and report its time in
             ``response.timing`` (slightly slower; for benchmarks).
         costs: The cost model for ``"auto"``; default measured once for this
-            pair and machine and cached (:func:`dflash_mlx.policy.cached_costs`).
+            pair and machine and cached (:func:`dflash_mlx.engine.policy.cached_costs`).
         accept_threshold: ``None`` (exact). A float T in (0, 1] also accepts a
             draft token whose target probability is at least T times the top
             one (after temperature and filters; the plain softmax at
@@ -288,7 +288,7 @@ def stream_generate(
         proposal: ``"argmax"`` (the draft's best guesses) or ``"sample"``:
             draft tokens drawn from the draft's distribution (the target's
             filters, at a multiple of its temperature tuned as it goes, see
-            :mod:`dflash_mlx.proposal`), verified with the p/q rule or, with a
+            :mod:`dflash_mlx.engine.proposal`), verified with the p/q rule or, with a
             ``seed`` (and under mlx.launch), drawn with the noise the target
             draws its token with at the same position. Exact either way.
             ``None`` (default): ``"sample"`` when sampling with
@@ -297,7 +297,7 @@ def stream_generate(
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)
     if costs is not None and not isinstance(costs, Costs):
-        raise GenerationArgumentError(f"costs must be a dflash_mlx.policy.Costs, got {type(costs).__name__}.")
+        raise GenerationArgumentError(f"costs must be a dflash_mlx.engine.policy.Costs, got {type(costs).__name__}.")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)

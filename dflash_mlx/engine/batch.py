@@ -19,10 +19,10 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .decoding import DraftCache, GenerationResponse, _check_args, _check_vocab, _Decoder, _prompt_ids, _take, _drawing
-from .distributed import group
+from ..models.distributed import group
 from .draft import DFlashDraft
-from .errors import GenerationArgumentError, UnsupportedModelError
-from .loading import check_compatible
+from ..errors import GenerationArgumentError, UnsupportedModelError
+from ..models.loading import check_compatible
 from .policy import Costs, Policy, cached_costs
 from .rollback import rollback_rows, trims_exactly
 from .target import Target

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent.parent  # the package folder, where demo/ and smollm2/ are
 BUNDLED = {"demo": HERE / "demo" / "prompts.jsonl", "heldout": HERE / "smollm2" / "heldout.jsonl"}
 
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."

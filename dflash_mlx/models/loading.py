@@ -13,8 +13,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import distributed
 from .config import DFlashConfig
-from .draft import DFlashDraft
-from .errors import (
+from ..engine.draft import DFlashDraft
+from ..errors import (
     DraftConfigError,
     DraftWeightsError,
     IncompatibleDraftError,
@@ -22,7 +22,7 @@ from .errors import (
     ModelNotFoundError,
     UnsupportedModelError,
 )
-from .target import Target
+from ..engine.target import Target
 
 
 def _on_cpu() -> bool:
@@ -96,8 +96,8 @@ def load(
 
     Args:
         path_or_repo: A local Hugging Face folder, a hub repo id, a ``.gguf``
-            file (converted once into a cached folder, see :mod:`dflash_mlx.gguf`)
-            or a short name such as ``smollm2`` (see :mod:`dflash_mlx.registry`).
+            file (converted once into a cached folder, see :mod:`dflash_mlx.models.gguf`)
+            or a short name such as ``smollm2`` (see :mod:`dflash_mlx.models.registry`).
         dtype: Cast floating weights to this type. Default: float32 on the CPU
             (half-precision matmuls are slow there), unchanged on the GPU.
         pipeline: Under ``mlx.launch``, shard the target as a pipeline (each

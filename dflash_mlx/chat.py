@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .errors import run_command
+from .errors import exit_now, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return run_command(lambda: _run(args))
+    exit_now(run_command(lambda: _run(args)))  # never returns: see exit_now
 
 
 def _run(args) -> int:
@@ -89,4 +89,4 @@ if __name__ == "__main__":
     from .blas import preload
 
     preload("dflash_mlx.chat", sys.argv[1:])
-    raise SystemExit(main())
+    main()

@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ..engine.decoding import DraftCache
 from ..models.distributed import group
-from ..errors import DFlashError, run_command
+from ..errors import DFlashError, exit_now, run_command
 from .scheduler import Scheduler
 from ..engine.target import Target, model_args
 
@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-    return run_command(lambda: _run(args))
+    exit_now(run_command(lambda: _run(args)))  # never returns: see exit_now
 
 
 def _run(args) -> int:

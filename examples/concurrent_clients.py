@@ -1,11 +1,15 @@
-"""Aggregate tok/s of N clients at once against the same N one after another,
-on one `python -m dflash_mlx.server` (default pair) that this script starts.
+"""What one `python -m dflash_mlx.server` (default pair) holds under load: this
+script starts it, sends the same chat questions one after another, then from
+N clients at once (each streams, so the time to its first token is seen), and
+prints requests per second, aggregate tokens per second, time to first token,
+whether the texts were identical and how many requests failed.
 
-    python examples/concurrent_clients.py [--clients 4] [--max-tokens 96] [--block-size auto]
-        [--decode-concurrency N (default: --clients; 1 serves one request at a time)]
+    python examples/concurrent_clients.py [--clients 4] [--requests 16] [--max-tokens 64]
+        [--block-size auto] [--decode-concurrency N (default: --clients)]
 """
 
 import argparse
+import statistics
 import threading
 import time
 
@@ -26,45 +30,70 @@ QUESTIONS = [
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--requests", type=int, default=16, help="Requests in all, shared by the clients.")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--block-size", default="auto")
     p.add_argument("--decode-concurrency", type=int, default=None)
     p.add_argument("--port", type=int, default=8091)
     args = p.parse_args()
     width = args.decode_concurrency or args.clients
+    questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(args.requests)]
     with served(args.port, "--prompt-cache-size", "0", "--block-size", args.block_size,
                 "--decode-concurrency", str(width)) as client:
-        questions = (QUESTIONS * args.clients)[: args.clients]
 
         def ask(q):
-            r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": q}],
-                                               max_tokens=args.max_tokens, temperature=0)
-            return r.choices[0].message.content, r.usage.completion_tokens
+            """(text, tokens, seconds to the first token, seconds in all), or an exception."""
+            tic, first, text, n = time.perf_counter(), None, "", 0
+            try:
+                stream = client.chat.completions.create(
+                    model="default", messages=[{"role": "user", "content": q}], max_tokens=args.max_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True})
+                for chunk in stream:
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first or time.perf_counter() - tic
+                        text += chunk.choices[0].delta.content
+                    if chunk.usage:
+                        n = chunk.usage.completion_tokens
+            except Exception as e:
+                return e
+            return text, n, first or 0.0, time.perf_counter() - tic
 
         ask("Hello")  # warm-up: loading, the cost calibration
         tic = time.perf_counter()
         serial = [ask(q) for q in questions]
         t_serial = time.perf_counter() - tic
-        together = [None] * len(questions)
 
-        def run(i):
-            together[i] = ask(questions[i])
+        together, queue, lock = [None] * len(questions), list(range(len(questions))), threading.Lock()
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+        def client_loop():
+            while True:
+                with lock:
+                    if not queue:
+                        return
+                    i = queue.pop(0)
+                together[i] = ask(questions[i])
+
+        threads = [threading.Thread(target=client_loop) for _ in range(args.clients)]
         tic = time.perf_counter()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         t_together = time.perf_counter() - tic
-        n_serial = sum(n for _, n in serial)
-        n_together = sum(n for _, n in together)
-        print(f"{args.clients} clients, {args.max_tokens} tokens each, block size {args.block_size}, "
-              f"decode concurrency {width}:")
-        print(f"  one after another: {n_serial} tokens in {t_serial:.1f} s = {n_serial / t_serial:.1f} tok/s")
-        print(f"  all at once:       {n_together} tokens in {t_together:.1f} s = {n_together / t_together:.1f} tok/s")
-        print(f"  speed-up {n_together / t_together / (n_serial / t_serial):.2f}x, "
-              f"identical texts: {'yes' if [s for s, _ in serial] == [s for s, _ in together] else 'NO'}")
+
+    print(f"{len(questions)} requests of up to {args.max_tokens} tokens, block size {args.block_size}, "
+          f"decode concurrency {width}:")
+    for name, runs, took in (("one after another", serial, t_serial),
+                             (f"{args.clients} clients at once", together, t_together)):
+        ok = [r for r in runs if not isinstance(r, Exception)]
+        tokens = sum(r[1] for r in ok)
+        ttft = sorted(r[2] for r in ok)
+        print(f"  {name}: {len(ok) / took:.2f} requests/s, {tokens / took:.1f} tok/s, "
+              f"time to first token median {statistics.median(ttft):.2f} s, worst {ttft[-1]:.2f} s, "
+              f"failed {len(runs) - len(ok)}")
+    same = [r[0] for r in serial if not isinstance(r, Exception)] == \
+        [r[0] for r in together if not isinstance(r, Exception)]
+    print(f"  identical texts: {'yes' if same else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 from dflash_mlx import DraftConfigError, load_draft
 from dflash_mlx.models.config import DFlashConfig
 from dflash_mlx.training.data import Sequence
-from dflash_mlx.engine.features import FeatureStore
+from dflash_mlx.training.features import FeatureStore
 from dflash_mlx.engine.target import Target
 from tiny import make_draft, make_target
 from util import dflash_tokens, mlx_tokens, runs

@@ -6,6 +6,10 @@ Stages (``--stages``, comma-separated, run in this order):
 - ``written``: ``--written`` more prompts whose user text the target itself
   writes (:mod:`.written`, seeded), each listed ``--repeat`` times so that
   training draws them that much more often (their features are computed once);
+- ``corpus``: text the target did not write becomes data too (exact labels,
+  :mod:`..training.labels`): ``--corpus-files`` Python standard-library
+  sources, their features and greedy labels computed by ``--data-workers``
+  processes into ``WORK/corpus`` (resumable: a rerun goes on where it stopped);
 - ``regen``: the target answers each one greedily (``--regen-tokens`` at
   most); answers are kept in the work folder as they finish, so an
   interrupted run loses none and a rerun only makes the missing ones;
@@ -75,6 +79,20 @@ def written(work: Path, args, make: bool) -> list:
     return rows[: args.written]
 
 
+def corpus(work: Path, n: int) -> Path:
+    """``work/corpus.jsonl``: the first ``n`` standard-library Python sources
+    (sorted by path, tests and site-packages left out) as text records."""
+    import sysconfig
+
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in lib.rglob("*.py") if not ({"test", "tests", "site-packages", "idlelib"}
+                                                         & set(f.relative_to(lib).parts)))[:n]
+    path = work / "corpus.jsonl"
+    rows = (f.read_text(encoding="utf-8", errors="replace") for f in files)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in rows if t.strip()))
+    return path
+
+
 def evaluate(n: int, max_tokens: int) -> float:
     """Greedy tau of the installed draft over the first ``n`` held-out prompts."""
     from .. import load, load_draft
@@ -96,7 +114,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="build/smollm2", help="Work folder (prompts, answers, features, checkpoints).")
     p.add_argument("--stages", default="prompts,regen,train,install,eval",
-                   help="Comma-separated: prompts, written, regen, train, install, eval.")
+                   help="Comma-separated: prompts, written, corpus, regen, train, install, eval.")
     p.add_argument("--prompts", type=int, default=2000)
     p.add_argument("--written", type=int, default=0, help="Prompts written by the target (after the template ones).")
     p.add_argument("--repeat", type=int, default=1, help="How many times each written prompt is listed.")
@@ -104,6 +122,8 @@ def main(argv=None) -> int:
     p.add_argument("--minutes", type=float, default=60.0, help="Training time of the train stage.")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--init", default=None, help="Continue from this draft (a later stage).")
+    p.add_argument("--corpus-files", type=int, default=200, help="Standard-library sources of the corpus stage.")
+    p.add_argument("--data-workers", type=int, default=2, help="Processes computing features and labels.")
     p.add_argument("--eval-prompts", type=int, default=48)
     p.add_argument("--eval-tokens", type=int, default=192)
     args = p.parse_args(argv)
@@ -120,6 +140,13 @@ def main(argv=None) -> int:
             if args.written:
                 rows += written(work, args, "written" in stages) * args.repeat
             (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if "corpus" in stages:
+            data = corpus(work, args.corpus_files)
+            args_ = [a for a in train_args(work, args) if a != "--regenerate"]
+            args_[args_.index("--data") + 1], args_[args_.index("--out") + 1] = str(data), str(work / "corpus")
+            code = train_main(args_ + ["--prepare-only", "--data-workers", str(args.data_workers)])
+            if code:
+                return code
         if "regen" in stages:
             code = train_main(train_args(work, args) + ["--prepare-only"])
             if code:

@@ -135,3 +135,43 @@ def test_draft_forward_matches_reference(loaded, tmp_path):
     x = mx.random.normal((1, 4, 64))
     got = draft(x, feats[:, 7:], cache)
     np.testing.assert_allclose(np.array(got), np.array(_reference(draft, x, feats)), atol=1e-4)
+
+
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048}])
+def test_nested_rope_parameters_read_like_flat_ones(loaded, tmp_path, scaling):
+    """transformers >= 5 nests rope settings in rope_parameters: the same
+    settings spelt flat or nested load the same draft, round for round."""
+    import shutil
+
+    from dflash_mlx import stream_generate
+
+    model, tok, folder = loaded("qwen3")
+    flat = make_draft(tmp_path / "flat", folder, block_size=4)
+    nested = tmp_path / "nested"
+    shutil.copytree(flat, nested)
+    cfg = json.loads((flat / "config.json").read_text())
+    cfg["rope_theta"], cfg["rope_scaling"] = 12345.0, scaling
+    (flat / "config.json").write_text(json.dumps(cfg))
+    del cfg["rope_theta"], cfg["rope_scaling"]
+    cfg["rope_parameters"] = {"rope_theta": 12345.0, **(scaling or {"rope_type": "default"})}
+    (nested / "config.json").write_text(json.dumps(cfg))
+    a, b = load_draft(str(flat)), load_draft(str(nested))
+    assert a.config.rope_theta == b.config.rope_theta == 12345.0
+    assert (a.config.rope_scaling or {}).get("rope_type") == (b.config.rope_scaling or {}).get("rope_type")
+    runs = [[(r.tokens, r.accepted) for r in stream_generate(model, d, tok, "def f(", block_size=4, max_tokens=24)]
+            for d in (a, b)]
+    assert runs[0] == runs[1]
+
+
+def test_rope_forms_that_cannot_run_are_refused(target_folder, tmp_path):
+    cfg = json.loads((make_draft(tmp_path / "d", target_folder("qwen3")) / "config.json").read_text())
+    del cfg["rope_theta"]
+    for bad, msg in [
+        ({**cfg, "rope_theta": 1.0, "rope_parameters": {"rope_theta": 2.0}}, "must agree"),
+        ({**cfg, "rope_parameters": {"rope_theta": 2.0, "rope_type": "fancy"}}, "rope type 'fancy'"),
+        ({**cfg, "rope_scaling": {"type": "yarn"}}, "needs factor"),
+        ({**cfg, "rope_parameters": [1]}, "rope_parameters"),
+    ]:
+        with pytest.raises(DraftConfigError, match=msg):
+            DFlashConfig.from_dict(bad)
+    assert DFlashConfig.from_dict({**cfg, "rope_parameters": {"rope_theta": 500.0}}).rope_theta == 500.0

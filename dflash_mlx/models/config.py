@@ -36,6 +36,18 @@ _OPTIONAL = {
 }
 
 
+# Rope types mlx-lm's initialize_rope builds, with the keys each one reads.
+ROPE_TYPES = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor",),
+    "yarn": ("factor",), "deepseek_yarn": ("factor",), "longrope": ("original_max_position_embeddings",
+    "short_factor", "long_factor"), "proportional": (),
+}
+
+
+def _rope_type(d: Dict[str, Any]) -> str:
+    return d.get("type") or d.get("rope_type") or "default"
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -128,6 +140,29 @@ class DFlashConfig:
         rs = d.get("rope_scaling")
         if rs is not None and not isinstance(rs, dict):
             raise DraftConfigError("config.json: 'rope_scaling' must be null or an object.")
+        rp = d.get("rope_parameters")  # transformers >= 5 nests rope settings here
+        if rp is not None:
+            if not isinstance(rp, dict):
+                raise DraftConfigError("config.json: 'rope_parameters' must be an object.")
+            if rp.get("rope_theta") is not None:
+                theta = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
+                if args.get("rope_theta", theta) != theta:
+                    raise DraftConfigError(
+                        f"config.json gives rope_theta {args['rope_theta']} and rope_parameters.rope_theta "
+                        f"{theta}; they must agree."
+                    )
+                args["rope_theta"] = theta
+            if rs is None and _rope_type(rp) != "default":
+                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        if rs is not None:
+            kind = _rope_type(rs)
+            if kind not in ROPE_TYPES:
+                raise DraftConfigError(
+                    f"config.json: rope type '{kind}' is not supported (known: {', '.join(sorted(ROPE_TYPES))})."
+                )
+            missing = [k for k in ROPE_TYPES[kind] if k not in rs]
+            if missing:
+                raise DraftConfigError(f"config.json: a '{kind}' rope needs {', '.join(missing)}.")
         args["rope_scaling"] = rs
         lt = d.get("layer_types")
         if lt is not None:

@@ -635,8 +635,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target: the target's own greedy tokens from the features' forward pass, exact up to "
                         "where the text leaves them (any text is data); text: the text's next tokens.")
     p.add_argument("--data-workers", type=int, default=1,
-                   help="Processes (one thread each) computing the kept features and labels; 2 on a 2-core "
-                        "CPU ran 1.7x faster than one process.")
+                   help="Processes (one thread each) computing the kept features and labels (e.g. one per core).")
     p.add_argument("--no-feature-cache", action="store_true",
                    help="Recompute target features every step instead of once (saves disk).")
     p.add_argument("--regenerate", action="store_true", help="Train on the target's own greedy continuations.")

@@ -2,8 +2,9 @@
 requests (streamed or not, chat and completions, greedy and seeded,
 log-probabilities, stop strings, long prompts sharing prefixes, clients that
 hang up, malformed bodies), on checkpoints stored in float16, bfloat16 and
-float32. No answer may be 5xx, every greedy answer must be the target's own
-text, and the server must answer afterwards exactly as before."""
+float32; then 64 requests at once. No answer may be 5xx, every greedy answer
+must be the target's own text, and the server must answer afterwards exactly
+as before."""
 
 import http.client
 import json
@@ -160,6 +161,20 @@ def test_soak(tmp_path_factory, dtype, width, block):
         problems = _storm(port, tok, want, seed=width)
         took = time.monotonic() - tic
         assert not problems, problems[:5]
+        # 64 requests at once: all answered, each with its own greedy text.
+        burst = [None] * 64
+
+        def one(i):
+            p = PROMPTS[i % len(PROMPTS)]
+            status, data, _ = _request(port, {"prompt": p, "max_tokens": 4})
+            burst[i] = status == 200 and want[p].startswith(_text(data))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(burst), burst.count(False)
         assert _text(_request(port, probe)[1]) == before == want[PROMPTS[0]]
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         conn.request("GET", "/health")

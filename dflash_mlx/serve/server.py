@@ -635,7 +635,8 @@ class Handler(BaseHTTPRequestHandler):
 def make_server(served: Served, host: str = "127.0.0.1", port: int = 8080) -> ThreadingHTTPServer:
     """An HTTP server for ``served`` (call ``serve_forever``; port 0 picks a free one)."""
     handler = type("BoundHandler", (Handler,), {"served": served})
-    server = ThreadingHTTPServer((host, port), handler)
+    # A backlog of 5 (the default) makes a burst of clients wait on TCP retries.
+    server = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 128})((host, port), handler)
     server.daemon_threads = True
     return server
 

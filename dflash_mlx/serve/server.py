@@ -403,16 +403,16 @@ class Reply:
         self.text += r.text
         cut = min((i for i in (self.text.find(s, self.sent) for s in req.stop) if i >= 0), default=-1)
         if cut >= 0:
-            self._send(cut, "stop")
+            self._send(cut, "stop", at_stop_string=True)
             return False
         end = len(self.text) if r.finish_reason else max(self.sent, len(self.text) - self.hold)
         if end > self.sent or r.finish_reason:
             self._send(end, r.finish_reason)
         return r.finish_reason is None
 
-    def _send(self, end: int, finish: Optional[str]) -> None:
-        stop = finish == "stop"  # the text ends at a stop string: the records that start before it
-        records = [h for h in self.held if (h["offset"] < end if stop else h["end"] <= end)]
+    def _send(self, end: int, finish: Optional[str], at_stop_string: bool = False) -> None:
+        # Cut at a stop string: the records that start before it; else those that end by ``end``.
+        records = [h for h in self.held if (h["offset"] < end if at_stop_string else h["end"] <= end)]
         self.held = self.held[len(records):]
         self.queue.put(Piece(self.text[self.sent:end], records, finish, self.last, self.cached))
         self.sent = end

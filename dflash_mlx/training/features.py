@@ -8,8 +8,7 @@ label (:mod:`.labels`). Features are stored as float16 and labels as int32 in
 memory-mapped files next to the draft, keyed by the sequences, layers and
 target. More data (the same sequences first, new ones after) computes only
 the new rows; an interrupted build goes on from the batches it had finished;
-``workers`` > 1 computes it in that many processes of one thread each (on
-MLX-CPU two such processes ran 1.7x faster than one with two threads).
+``workers`` > 1 computes it in that many processes of one thread each.
 """
 
 import hashlib

@@ -215,9 +215,8 @@ def _variants(args) -> dict:
 
 
 def _warm_up(model, draft, tokenizer, block_size) -> None:
-    """One tiny generation, so one-time costs (allocation, compiled kernels,
-    the first measurement of the costs "auto" uses) are not counted in the
-    reported speeds."""
+    """One tiny generation, so one-time costs (allocation, compiled kernels)
+    are not counted in the reported speeds."""
     ids = [tokenizer.eos_token_id or 0] * 4
     for _ in stream_generate(model, draft, tokenizer, ids, block_size=block_size, max_tokens=2):
         pass

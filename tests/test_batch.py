@@ -129,27 +129,12 @@ def test_refuses_recurrent_targets(loaded, draft_for):
         Batch(model, draft_for(folder), tok, 4)
 
 
-def test_batch_costs_are_measured_per_width(loaded, draft_for, tmp_path, monkeypatch):
-    from dflash_mlx.engine import policy as pol
-    from dflash_mlx.engine.target import Target
-
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
-    model, tok, folder = loaded("qwen3")
-    draft = draft_for(folder)
-    one, two = pol.cached_costs(Target(model), draft), pol.cached_costs(Target(model), draft, width=2)
-    assert len(list((tmp_path / "costs").glob("*.json"))) == 2
-    assert two.verify[1] == 1.0 and set(two.verify) == set(one.verify) and two.draft > 0
-    assert pol.cached_costs(Target(model), draft, width=2) == two
-
-
 def test_useless_draft_in_a_batch_takes_plain_steps(loaded, draft_for):
-    """Random draft weights and given costs (drafting not free): the rows'
-    policies soon stop drafting and the batch runs plain steps together."""
-    from dflash_mlx.engine.policy import Costs
-
+    """Random draft weights: the batch soon stops drafting and runs plain
+    steps together."""
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)
-    batch = Batch(model, draft, tok, "auto", costs=Costs(draft=0.3, verify={1: 1.0, 16: 1.5}))
+    batch = Batch(model, draft, tok, "auto")
     keys = [batch.add(p, 60) for p in PROMPTS]
     toks, resp = run(batch, keys)
     assert [toks[k] for k in keys] == [mlx_tokens(model, tok, p, 60) for p in PROMPTS]

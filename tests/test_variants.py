@@ -13,10 +13,9 @@ from dflash_mlx import GenerationArgumentError, load_draft
 from dflash_mlx.engine import proposal
 from dflash_mlx.errors import DraftConfigError, DraftWeightsError
 from dflash_mlx.models.loading import save_draft
-from dflash_mlx.engine.policy import Costs, memo
+from dflash_mlx.engine.policy import memo
 
 PROMPTS = ["def foo(x):\n    return", "import os\n"]
-COSTS = Costs(draft=0.3, verify={1: 1.0, 16: 1.5})
 
 
 def quantized_layers(draft):
@@ -27,7 +26,7 @@ def assert_lossless(model, tok, draft, n=30, **kw):
     for prompt in PROMPTS:
         ref, text = mlx_run(model, tok, prompt, n)
         for bs in (4, "auto"):
-            extra = {"costs": COSTS} if bs == "auto" else {}
+            extra = {}
             out, rs = dflash_tokens(model, draft, tok, prompt, block_size=bs, max_tokens=n, **extra, **kw)
             assert out == ref, (prompt, bs, kw)
             assert "".join(r.text for r in rs) == text
@@ -116,7 +115,7 @@ def test_threshold_accepts_near_top_tokens_only(bs, loaded, draft_for):
         ref, _ = mlx_run(model, tok, prompt, 40)
         for t in runs(ref)[:1] + [ref[1]]:
             draft = draft_for(folder, mask_token_id=t, echo=True)
-            kw = {"costs": COSTS} if bs == "auto" else {}
+            kw = {}
             out, rs = dflash_tokens(
                 model, draft, tok, ids, block_size=bs, max_tokens=40, accept_threshold=T, **kw
             )
@@ -226,7 +225,7 @@ def test_sampled_proposals_are_reproducible_and_private(loaded, draft_for):
     c, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **{**kw, "seed": 12})
     assert a == b and a != c
     assert (np.array(mx.random.state[0]) == state).all()
-    d, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **{**kw, "block_size": "auto", "costs": COSTS})
+    d, _ = dflash_tokens(model, draft, tok, PROMPTS[0], **{**kw, "block_size": "auto"})
     assert len(d) == 20
 
 

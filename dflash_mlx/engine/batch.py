@@ -23,7 +23,7 @@ from ..models.distributed import group
 from .draft import DFlashDraft
 from ..errors import GenerationArgumentError, UnsupportedModelError
 from ..models.loading import check_compatible
-from .policy import Costs, Policy, cached_costs
+from .policy import Policy
 from .rollback import rollback_rows, trims_exactly
 from .target import Target
 
@@ -49,13 +49,13 @@ class Batch:
         model: The target (an mlx-lm model whose caches trim exactly).
         draft: Its DFlash draft, or None (batched plain decoding).
         tokenizer: The target's tokenizer.
-        block_size: As for :func:`.stream_generate` (``"auto"``: each row's
-            policy picks its drafts; the round verifies the longest).
-        costs: The cost model for ``"auto"`` (default: measured and cached).
+        block_size: As for :func:`.stream_generate` (``"auto"``: one length
+            for all rows each round, chosen by the tokens per second each
+            length has made at this many rows).
     """
 
     def __init__(self, model: nn.Module, draft: Optional[DFlashDraft], tokenizer,
-                 block_size: Union[int, str, None] = None, costs: Optional[Costs] = None):
+                 block_size: Union[int, str, None] = None):
         if group() is not None:
             raise GenerationArgumentError("Batched generation runs in one process, not under mlx.launch.")
         self.bs = _check_args(draft, block_size, 1, 0.0, 0.0, 0, 0.0, None)
@@ -70,14 +70,14 @@ class Batch:
         self.top = draft.block_size if self.bs == "auto" else self.bs
         self.draft = draft if self.top > 1 else None
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-        self.costs = costs
+        self.policy = Policy.of(draft) if self.bs == "auto" and self.draft is not None else None
         self.rows: Dict[int, _Row] = {}
         # The rows' batched caches (in self.rows' order); None while one row
         # runs alone on its own caches, as stream_generate would.
         self.cache: Optional[List[BatchKVCache]] = None
         self.widest = 0  # the most rows one round has verified together
-        self._shares: Dict[int, Costs] = {}
         self._next = 0
+        self._tick, self._last = 0.0, None  # when the last batched round ended, and its (width, drafted)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -97,9 +97,7 @@ class Batch:
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
         dec = _Decoder(self.target, self.draft, None, list(cache), False, draft_cache,
                        **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed))
-        if self.bs == "auto":
-            dec.policy = Policy(self._share(1), self.top)
-            dec.policy.recall(self.draft)
+        dec.policy = self.policy
         tic = time.perf_counter()
         first = dec.prefill(ids, prefill_step_size)
         mx.eval([c.state for c in dec.cache])
@@ -113,6 +111,7 @@ class Batch:
                 self.cache = [BatchKVCache.merge([c]) for c in alone.cache]
             for c, o in zip(self.cache, dec.cache):
                 c.extend(BatchKVCache.merge([o]))
+        self._last = None  # the next round pays for this prefill: not timed
         key, self._next = self._next, self._next + 1
         self.rows[key] = row
         return key
@@ -129,7 +128,9 @@ class Batch:
         else:
             own = [c.extract(i) for c in self.cache] if row.cache is not None else None
             if len(self.rows) == 1:  # the last one goes on alone
-                self.rows[keys[1 - i]].dec.cache = [c.extract(1 - i) for c in self.cache]
+                alone = self.rows[keys[1 - i]].dec
+                alone.cache = [c.extract(1 - i) for c in self.cache]
+                alone._last = None  # its next round is not timed
                 self.cache = None
             else:
                 for c in self.cache:
@@ -142,7 +143,8 @@ class Batch:
                 d = row.dec.dstate
                 arrays += [c.state for c in d.cache if c.keys is not None] + [d.pending]
             mx.eval(arrays)
-        row.dec.remember(self.draft)
+        if row.dec.tuner is not None:
+            row.dec.tuner.remember(self.draft)
 
     def clear(self) -> None:
         """Drop every row at once (their prompt caches are left unfilled)."""
@@ -161,47 +163,22 @@ class Batch:
             out += [(key, self._report(key)) for key in list(self.rows)]
         return out
 
-    def calibrate(self, width: int) -> None:
-        """Measure (or read) the costs of batches up to ``width`` rows now:
-        the first time on a machine that takes a few seconds a width."""
-        if self.bs == "auto":
-            for w in range(1, width + 1):
-                self._share(w)
-
-    def _share(self, width: int) -> Costs:
-        """One row's share of a round's costs when ``width`` rows run together
-        (:func:`.policy.measure_costs`): measured once per width and cached,
-        or with given costs, scaled from them (a verify of B x L tokens)."""
-        if width not in self._shares:
-            c = self.costs
-            if c is None:
-                c = cached_costs(self.target, self.draft, width=width)
-            elif width > 1:
-                plain = c.verify_at(width)
-                c = Costs(c.draft * width / plain, {L: c.verify_at(width * L) / plain for L in c.verify})
-            self._shares[width] = c
-        return self._shares[width]
-
     def _round(self) -> None:
         rows = list(self.rows.values())
         self.widest = max(self.widest, len(rows))
-        if self.bs == "auto":
-            share = self._share(len(rows))
-            for r in rows:
-                r.dec.policy.costs = share
         if self.cache is None:  # one row: the single-sequence round, plain steps pipelined
             row = rows[0]
             left = row.max_tokens - row.n
-            row.out = row.dec.round(row.history, min(self.top, left), more=left > 1)
+            row.out = row.dec.round(row.history, min(self.top, left), more=min(self.top, left - 1))
             return
         anchors = [mx.array(r.history[-1:]) for r in rows]
         limits = [min(self.top, r.max_tokens - r.n) for r in rows]
-        guesses = [r.dec.guess(a, n, len(r.history)) if r.dec.drafts(n) else None
-                   for r, a, n in zip(rows, anchors, limits)]
-        lengths = self._lengths(rows, guesses, limits)
+        most = max(limits) if self.draft is not None else 1
+        length = self.policy.choose(most, len(rows)) if self.policy is not None else most
+        lengths = [min(length, n) for n in limits]
         blocks, props = [], []
-        for r, a, g, n in zip(rows, anchors, guesses, lengths):
-            p, q = r.dec.cut(g, n) if g is not None else (None, None)
+        for r, a, n in zip(rows, anchors, lengths):
+            p, q = r.dec.propose(a, n, len(r.history)) if n > 1 else (None, None)
             blocks.append(a if p is None else mx.concatenate([a, p]))
             props.append((p, q))
         L = max(b.shape[0] for b in blocks)
@@ -214,39 +191,22 @@ class Batch:
             n = blocks[i].shape[0]
             kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
+        self._learn(length, [a for (_, a), n in zip(kept, lengths) if n > 1], len(rows))
         for i, row in enumerate(rows):
             choice, a = kept[i]
             feats = f[i : i + 1] if f is not None else None
-            row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0], guesses[i] is not None)
+            row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0])
 
-    def _lengths(self, rows, guesses, limits) -> List[int]:
-        """Tokens each row verifies. A fixed block size: its block (1 for a row
-        without drafts). ``"auto"``: one length L for the round, the one with
-        the most expected tokens over all rows per unit of cost (the draft
-        passes plus a batched verify of L tokens a row, :meth:`_share`), each
-        row's chances from its own policy; a row verifies min(L, its most)."""
-        if self.bs != "auto":
-            return [n if g is not None else 1 for g, n in zip(guesses, limits)]
-        drafting = [i for i, g in enumerate(guesses) if g is not None]
-        if not drafting:
-            return [1] * len(rows)
-        mx.eval([guesses[i][0] for i in drafting] + [guesses[i][2] for i in drafting])
-        conf = {i: guesses[i][2].tolist() for i in drafting}
-        gain = [rows[i].dec.policy.expect(conf[i], limits[i]) if i in conf else [1.0] for i in range(len(rows))]
-        costs = self._share(len(rows))
-        paid = costs.draft * len(drafting)
-        best, top = 1, -1.0
-        for L in range(1, max(len(g) for g in gain) + 1):
-            score = sum(g[min(L, len(g)) - 1] for g in gain) / (paid + len(rows) * costs.verify_at(L))
-            if score > top:
-                best, top = L, score
-        out = []
-        for i, g in enumerate(gain):
-            if i in conf:
-                out.append(rows[i].dec.policy.chose(conf[i], min(best, len(g))))
-            else:
-                out.append(1)
-        return out
+    def _learn(self, length: int, accepted: List[int], width: int) -> None:
+        """Teach the policy a batched round (timed as in :meth:`._Decoder._learn`)."""
+        now, kind = time.perf_counter(), (width, length > 1)
+        if self.policy is not None:
+            if accepted:
+                self.policy.learn(length, accepted)
+            if kind == self._last:
+                self.policy.time(length, now - self._tick, width)
+            self.policy.took(length, width)
+        self._tick, self._last = now, kind
 
     @property
     def target_layers(self) -> List[int]:

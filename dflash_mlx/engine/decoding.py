@@ -11,10 +11,10 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.distributed import agree, group
-from .draft import DFlashDraft, confidence
+from .draft import DFlashDraft
 from ..errors import GenerationArgumentError
 from ..models.loading import check_compatible
-from .policy import Costs, Policy, cached_costs
+from .policy import Policy
 from .proposal import Tuner
 from .rollback import rollback, trims_exactly
 from .sampling import (
@@ -233,7 +233,6 @@ def stream_generate(
     prompt_cache: Optional[list] = None,
     draft_cache: Optional[DraftCache] = None,
     profile: bool = False,
-    costs: Optional[Costs] = None,
     accept_threshold: Optional[float] = None,
     denoise_steps: int = 1,
     proposal: Optional[str] = None,
@@ -251,9 +250,10 @@ def stream_generate(
         prompt: Text, token ids, or an ``mx.array`` of ids.
         block_size: Tokens verified per round (anchor included): ``"auto"``
             (the default, ``None``) chooses each round's length, from plain
-            steps up to the draft's trained block, to be fastest (see
-            :mod:`dflash_mlx.engine.policy`); an integer fixes it, 1 being plain
-            decoding. Larger than the draft's is refused.
+            steps up to the draft's trained block, by the tokens per second
+            each length has been making (see :mod:`dflash_mlx.engine.policy`);
+            an integer fixes it, 1 being plain decoding. Larger than the
+            draft's is refused.
         max_tokens: The most tokens to generate.
         temperature: 0 for greedy; else sampling temperature.
         sampler: A custom sampler over log-probability rows [N, V] -> [N];
@@ -275,8 +275,6 @@ def stream_generate(
             draft starts from the new tokens only (lower acceptance, same text).
         profile: Synchronise after each phase and report its time in
             ``response.timing`` (slightly slower; for benchmarks).
-        costs: The cost model for ``"auto"``; default measured once for this
-            pair and machine and cached (:func:`dflash_mlx.engine.policy.cached_costs`).
         accept_threshold: ``None`` (exact). A float T in (0, 1] also accepts a
             draft token whose target probability is at least T times the top
             one (after temperature and filters; the plain softmax at
@@ -296,8 +294,6 @@ def stream_generate(
     """
     bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
     _check_variants(accept_threshold, denoise_steps, proposal, sampler)
-    if costs is not None and not isinstance(costs, Costs):
-        raise GenerationArgumentError(f"costs must be a dflash_mlx.engine.policy.Costs, got {type(costs).__name__}.")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _prompt_ids(tokenizer, prompt)
@@ -331,14 +327,7 @@ def stream_generate(
 
     with wired_limit(model, [generation_stream]):
         if bs == "auto":
-            with target.lock, mx.stream(generation_stream):
-                c = costs or cached_costs(target, draft)
-                # The cost model times one draft pass.
-                c = Costs(c.draft * denoise_steps, c.verify) if denoise_steps > 1 else c
-                # Explicit costs are kept as given: the choices then follow them alone.
-                clock = costs is None and group() is None  # ranks must choose alike
-                dec.policy = Policy(c, top, plain=1.0 if dec.pipelined else None, clock=clock)
-                dec.policy.recall(draft)
+            dec.policy = Policy.of(draft)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -373,12 +362,13 @@ def stream_generate(
                 if finish:
                     return
                 with target.lock, mx.stream(generation_stream):
-                    tokens = dec.round(history, min(top, max_tokens - n), more=max_tokens - n > 1)
+                    tokens = dec.round(history, min(top, max_tokens - n), more=min(top, max_tokens - n - 1))
         finally:
             # A step queued ahead (plain steps run pipelined) leaves the caches.
             with target.lock, mx.stream(generation_stream):
                 dec.settle()
-            dec.remember(draft)
+            if dec.tuner is not None:
+                dec.tuner.remember(draft)
 
 
 def _drawing(target: Target, draft: Optional[DFlashDraft], cache: Optional[list], temperature: float,
@@ -437,14 +427,10 @@ class _Decoder:
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
-        self._unseen = None  # (confidences, length) of a round verified blind
-        # A probe can be taken beside plain steps, its guesses checked against the
-        # tokens they then choose, as a verify would (see _shadow_probe): where
-        # the target's choice is the token itself (greedy, seeded noise, or a
-        # sampler's draw), not the p/q rule or a threshold.
-        self.can_shadow = self.pipelined and threshold is None and (tuner is None or noise is not None)
-        self._shadow = None  # [guess, first position, limit, length or None] of such a probe
         self._tick = None  # when the last round (or the prefill) ended
+        self._last = None  # whether the last round drafted
+        self._lag = -1  # under mlx.launch: the last round's microseconds, not yet agreed
+        self._lagged = None  # and its length
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -476,95 +462,48 @@ class _Decoder:
             return self.sampler(x)
         return self.draw(x, self.noise(pos, x.shape[0]))
 
-    def round(self, history: List[int], length: int, more: bool = False) -> List[int]:
-        """Draft ``length - 1`` tokens after the last one (with a policy: up
-        to that many, maybe none), verify them and return the committed
-        tokens (accepted drafts plus the bonus). ``more``: the generation
-        goes on after this round unless it ends with an EOS."""
-        clock = _Clock(self.profile)
+    def length(self, limit: int) -> int:
+        """This round's length, at most ``limit`` (1: a plain step)."""
+        if self.draft is None or limit <= 1 or self.ahead is not None:
+            return 1
+        return limit if self.policy is None else self.policy.choose(limit)
+
+    def round(self, history: List[int], limit: int, more: int = 0) -> List[int]:
+        """Draft up to ``limit - 1`` tokens after the last one (``"auto"``
+        chooses how many, maybe none), verify them and return the committed
+        tokens (accepted drafts plus the bonus). ``more``: the next round's
+        limit if the generation goes on (unless this round ends with an EOS)."""
+        length = self.length(limit)
         anchor = mx.array(history[-1:])
-        self._check_shadow(history)
-        drafted = self.drafts(length)
-        if drafted and self.can_shadow and self.policy is not None and self.policy.shades():
-            self._shadow_probe(anchor, length, len(history))
-            drafted = False
-        if not drafted and self.pipelined:
+        if length == 1 and self.pipelined:
             return self._plain(anchor, len(history), more)
-        proposal, q = self.propose(anchor, length, len(history)) if drafted else (None, None)
-        if drafted:
-            clock.lap("draft", anchor if proposal is None else proposal)
+        clock = _Clock(self.profile)
+        proposal, q = self.propose(anchor, length, len(history)) if length > 1 else (None, None)
+        if proposal is not None:
+            clock.lap("draft", proposal)
         block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
         clock.lap("verify", logits)
         out, a = self._choose(logits, history, block, proposal, q=q)
-        if self._unseen is not None:  # verified blind: would looking have cut it?
-            self.policy.saw(self._unseen[0].tolist(), self._unseen[1])
-            self._unseen = None
         rollback(self.cache, tape, a + 1, block.shape[0])
-        out = self.commit(out, a, f, block.shape[0], drafted)
+        self._learn(length, a, length > 1)
+        out = self.commit(out, a, f, block.shape[0])
         clock.lap("accept", [c.state for c in self.cache])
         self.timing = clock.laps if self.profile else None
         return out
 
-    def remember(self, draft) -> None:
-        """Keep what the policy and the tuner learnt for the next generation
-        with ``draft``."""
-        for part in (self.policy, self.tuner):
-            if part is not None:
-                part.remember(draft)
-
-    def drafts(self, length: int) -> bool:
-        """Whether a round of ``length`` runs the draft (else a plain step)."""
-        if self.draft is None or length <= 1 or self.ahead is not None or self._shadow is not None:
-            return False
-        return self.policy is None or self.policy.drafts()
-
-    def _shadow_probe(self, anchor: mx.array, length: int, pos: int) -> None:
-        """Run a probe's draft pass without its verify: plain steps go on, and
-        :meth:`_check_shadow` compares its guesses with the tokens they choose.
-        The probe then costs a draft pass, not a synchronised verify."""
+    def propose(self, anchor: mx.array, length: int, pos: int):
+        """The ``length - 1`` draft tokens after ``anchor`` [1], the first at
+        position ``pos``, and for p/q verification the distributions they
+        were drawn from: (proposal, q or None). The draft pass runs while
+        the verify pass is being built."""
         guess = self.guess(anchor, length, pos)
         mx.async_eval([x for x in guess if x is not None])
-        self._shadow = [guess, pos, length, None]
-
-    def _check_shadow(self, history: List[int]) -> None:
-        """Teach the policy a shadow probe once its outcome is known: as many
-        guesses matched in a row as the verify it chose would have accepted."""
-        if self._shadow is None:
-            return
-        guess, pos, limit, n = self._shadow
-        if n is None:  # its draft pass is done: a plain step since has been read
-            n = self._shadow[3] = self.policy.length(guess[2].tolist(), limit)
-        got = history[pos : pos + n - 1]
-        drafts = self.cut(guess, n)[0]
-        drafts, a = drafts.tolist() if drafts is not None else [], 0
-        while a < len(got) and drafts[a] == got[a]:
-            a += 1
-        if a < len(got) or len(got) == n - 1:
-            self.policy.update(n, a, True)
-            self._shadow = None
-
-    def propose(self, anchor: mx.array, length: int, pos: int):
-        """The draft tokens after ``anchor`` [1], the first at position
-        ``pos`` (up to ``length - 1``; a policy may cut them, to none) and,
-        for p/q verification, the distributions they were drawn from:
-        (proposal or None, q or None)."""
-        guess = self.guess(anchor, length, pos)
-        if self.policy is not None and self.policy.looks():
-            mx.eval(guess[0], guess[2])
-            length = self.policy.length(guess[2].tolist(), length)
-        else:
-            # The draft pass runs while the verify pass is being built.
-            mx.async_eval([x for x in guess if x is not None])
-            if self.policy is not None:
-                length = min(length, self.policy.blind)
-                self._unseen = guess[2], length
         return self.cut(guess, length)
 
     def guess(self, anchor: mx.array, length: int, pos: int):
-        """The draft pass, lazily: (proposal [length - 1], q or None, the
-        confidences when a policy will choose the length, else None)."""
+        """The draft pass, lazily: (proposal [length - 1], q or None)."""
         t, q = self.target, None
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
@@ -581,13 +520,12 @@ class _Decoder:
             proposal, q = self.tuner.sample(logits[: length - 1])
         else:
             proposal = mx.argmax(logits[: length - 1], axis=-1)
-        conf = confidence(logits[: length - 1]) if self.policy is not None else None
-        return proposal, q, conf
+        return proposal, q
 
     def cut(self, guess, length: int):
         """The first ``length - 1`` tokens of a :meth:`guess` (in the target's
         vocabulary) and their distributions, or (None, None) for none."""
-        proposal, q, _ = guess
+        proposal, q = guess
         if length <= 1:
             return None, None
         proposal = proposal[: length - 1]
@@ -597,49 +535,69 @@ class _Decoder:
             proposal = self.vocab[proposal]
         return proposal.astype(mx.int32), q
 
-    def commit(self, out: List[int], a: int, f, verified: int, drafted: bool) -> List[int]:
+    def commit(self, out: List[int], a: int, f, verified: int) -> List[int]:
         """Book a verified round whose caches are rolled back: queue the kept
-        features for the draft, teach the policy, count; the committed tokens."""
+        features for the draft, count; the committed tokens."""
         if f is not None:
             self.dstate.extend(f[:, : a + 1])
-        self._learn(verified, a, drafted)
         self.rounds += 1
         self.committed += a + 1
         self.verified = verified
         logits, seen, block = self._verified
-        # Computed in the background from the k kept rows only: a response
-        # holds [k, V], not the verified block's logits.
+        # Lazy, from the k kept rows only: computed if the caller reads them.
         self.logprobs = process(logits[: a + 1], seen, block[: a + 1], self.processors)
-        mx.async_eval(self.logprobs)
         return out[: a + 1]
 
-    def _plain(self, anchor: mx.array, pos: int, more: bool) -> List[int]:
+    def _plain(self, anchor: mx.array, pos: int, more: int) -> List[int]:
         """A plain step (its token at position ``pos``), the next one queued
         before this one's token is read when the next round is a plain step too."""
         y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
         self.ahead = None
-        plain_next = self.policy is not None and (self._shadow is not None or not self.policy.drafts(after=1))
-        if more and (self.draft is None or plain_next):
+        if self.policy is not None:
+            self.policy.took(1)
+        if more and self.length(more) == 1:
             self.ahead = self._step(y, pos + 1)
             mx.async_eval(self.ahead[0])
         if f is not None:
             self.dstate.extend(f)
         out = y.tolist()
-        self._learn(1, 0, False)
+        self._learn(1, 0, False, took=False)
         self.rounds += 1
         self.committed += 1
         self.verified = 1
         return out
 
-    def _learn(self, verified: int, accepted: int, drafted: bool) -> None:
-        """Teach the policy a round whose tokens were just read, with its
-        wall time since the last one ended (the first round's also reads
-        the prompt's features: not timed)."""
+    def _learn(self, length: int, accepted: int, drafted: bool, took: bool = True) -> None:
+        """Teach the policy a round whose tokens were just read, and its wall
+        time since the last one ended unless it switched between drafting
+        and plain steps (the first plain step is not pipelined, the first
+        drafting round reads the features of the plain steps): each kind is
+        timed as it runs on. Under mlx.launch, rank 0's time, a round late."""
         now = time.perf_counter()
         if self.policy is not None:
-            seconds = now - self._tick if self.rounds else None
-            self.policy.update(verified, accepted, drafted, seconds)
-        self._tick = now
+            if drafted:
+                self.policy.learn(length, [accepted])
+            timed = self.rounds > 0 and drafted == self._last
+            if group() is not None:
+                self._lag = int((now - self._tick) * 1e6) if timed else -1
+                self._lagged = length
+            elif timed:
+                self.policy.time(length, now - self._tick)
+            if took:
+                self.policy.took(length)
+        self._tick, self._last = now, drafted
+
+    def _agree(self, values: mx.array, block: mx.array) -> List[int]:
+        """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch
+        the policy also gets rank 0's time of the last round, so that every
+        rank chooses the same lengths."""
+        if group() is None or self.policy is None:
+            return agree(values, block).tolist()
+        out = agree(mx.concatenate([values, mx.array([self._lag], mx.int32)]), block).tolist()
+        if out[-1] >= 0:
+            self.policy.time(self._lagged, out[-1] / 1e6)
+        self._lag = -1
+        return out[:-1]
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position
@@ -669,7 +627,7 @@ class _Decoder:
             p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, near)
-            out = agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block).tolist()
+            out = self._agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block)
             self._tune(out[block.shape[0]], proposal.shape[0], p, probs=True)
             return out, out[block.shape[0]]
         if self.noise is not None:
@@ -689,7 +647,7 @@ class _Decoder:
             drafts = mx.concatenate([proposal.astype(choice.dtype), choice[-1:]])
             choice = mx.where(mx.arange(choice.shape[0]) < a, drafts, choice)
         tail = mx.stack([a, unsure]).astype(mx.int32)
-        out = agree(mx.concatenate([choice.astype(mx.int32), tail]), block).tolist()
+        out = self._agree(mx.concatenate([choice.astype(mx.int32), tail]), block)
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         if proposal is not None and self.noise is not None:

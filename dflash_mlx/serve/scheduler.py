@@ -96,11 +96,6 @@ class Scheduler:
         with mx.stream(generation_stream):
             self.batch = self._make_batch()
             self._ready.set()
-            if self.batch is not None:
-                try:  # measured now (once per machine), not in the middle of requests
-                    self.batch.calibrate(self.width)
-                except Exception:
-                    log.exception("Could not measure the batched costs; they are measured when needed.")
             jobs = {}
             while True:
                 try:

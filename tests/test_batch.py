@@ -6,6 +6,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from dflash_mlx.engine.batch import Batch, batch_generate
 from dflash_mlx.engine.decoding import DraftCache
 from dflash_mlx.errors import UnsupportedModelError
+from test_policy import modelled  # noqa: F401 (a fixture)
 from util import dflash_tokens, mlx_tokens, runs
 
 PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n    def __init__(self):\n        self"]
@@ -129,7 +130,7 @@ def test_refuses_recurrent_targets(loaded, draft_for):
         Batch(model, draft_for(folder), tok, 4)
 
 
-def test_useless_draft_in_a_batch_takes_plain_steps(loaded, draft_for):
+def test_useless_draft_in_a_batch_takes_plain_steps(modelled, loaded, draft_for):
     """Random draft weights: the batch soon stops drafting and runs plain
     steps together."""
     model, tok, folder = loaded("qwen3")

@@ -23,6 +23,7 @@ from ..models.distributed import group
 from .draft import DFlashDraft
 from ..errors import GenerationArgumentError, UnsupportedModelError
 from ..models.loading import check_compatible
+from . import policy as _policy
 from .policy import Policy
 from .rollback import rollback_rows, trims_exactly
 from .target import Target
@@ -130,7 +131,7 @@ class Batch:
             if len(self.rows) == 1:  # the last one goes on alone
                 alone = self.rows[keys[1 - i]].dec
                 alone.cache = [c.extract(1 - i) for c in self.cache]
-                alone._last = None  # its next round is not timed
+                alone._last, alone._run, alone._tick = None, 0, _policy.clock()  # timed afresh
                 self.cache = None
             else:
                 for c in self.cache:
@@ -199,7 +200,7 @@ class Batch:
 
     def _learn(self, length: int, accepted: List[int], width: int) -> None:
         """Teach the policy a batched round (timed as in :meth:`._Decoder._learn`)."""
-        now, kind = time.perf_counter(), (width, length > 1)
+        now, kind = _policy.clock(), (width, length > 1)
         if self.policy is not None:
             if accepted:
                 self.policy.learn(length, accepted)

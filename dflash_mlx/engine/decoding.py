@@ -14,6 +14,7 @@ from ..models.distributed import agree, group
 from .draft import DFlashDraft
 from ..errors import GenerationArgumentError
 from ..models.loading import check_compatible
+from . import policy as _policy
 from .policy import Policy
 from .proposal import Tuner
 from .rollback import rollback, trims_exactly
@@ -429,8 +430,8 @@ class _Decoder:
         self._verified = None  # (logits, history, block) of the block last verified
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
-        self._lag = -1  # under mlx.launch: the last round's microseconds, not yet agreed
-        self._lagged = None  # and its length
+        self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
+        self._lags = []  # under mlx.launch: [length, microseconds, rounds] not yet agreed
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -444,7 +445,7 @@ class _Decoder:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
         first = agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
-        self._tick = time.perf_counter()
+        self._tick = _policy.clock()
         return first
 
     def rows(self, logits: mx.array, logp: mx.array) -> mx.array:
@@ -568,36 +569,47 @@ class _Decoder:
         return out
 
     def _learn(self, length: int, accepted: int, drafted: bool, took: bool = True) -> None:
-        """Teach the policy a round whose tokens were just read, and its wall
-        time since the last one ended unless it switched between drafting
-        and plain steps (the first plain step is not pipelined, the first
-        drafting round reads the features of the plain steps): each kind is
-        timed as it runs on. Under mlx.launch, rank 0's time, a round late."""
-        now = time.perf_counter()
+        """Teach the policy a round whose tokens were just read, and time it.
+        Plain steps are timed by the stretch, from the end of the round before
+        the first to the end of the last, over their number: a pipelined
+        step's work lands in the round that queued it. A drafting round is
+        timed from the end of the last one; not after plain steps (it reads
+        their features). Under mlx.launch, rank 0's times, a round late."""
+        now = _policy.clock()
         if self.policy is not None:
             if drafted:
                 self.policy.learn(length, [accepted])
-            timed = self.rounds > 0 and drafted == self._last
-            if group() is not None:
-                self._lag = int((now - self._tick) * 1e6) if timed else -1
-                self._lagged = length
-            elif timed:
-                self.policy.time(length, now - self._tick)
+                if self._run:
+                    self._time(1, (self._tick - self._start) / self._run, self._run)
+                if self._last and self.rounds:
+                    self._time(length, now - self._tick, 1)
+                self._run = 0
+            else:
+                self._start = self._start if self._run else self._tick
+                self._run += 1
             if took:
                 self.policy.took(length)
         self._tick, self._last = now, drafted
 
+    def _time(self, length: int, seconds: float, rounds: int) -> None:
+        if group() is None:
+            self.policy.time(length, seconds, rounds=rounds)
+        else:  # sent with the next round's tokens
+            self._lags.append([length, int(seconds * 1e6), rounds])
+
     def _agree(self, values: mx.array, block: mx.array) -> List[int]:
         """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch
-        the policy also gets rank 0's time of the last round, so that every
+        the policy also gets rank 0's times of the last round, so that every
         rank chooses the same lengths."""
         if group() is None or self.policy is None:
             return agree(values, block).tolist()
-        out = agree(mx.concatenate([values, mx.array([self._lag], mx.int32)]), block).tolist()
-        if out[-1] >= 0:
-            self.policy.time(self._lagged, out[-1] / 1e6)
-        self._lag = -1
-        return out[:-1]
+        lags = (self._lags + [[0, 0, 0]] * 2)[:2]
+        self._lags = []
+        out = agree(mx.concatenate([values, mx.array(sum(lags, []), mx.int32)]), block).tolist()
+        for length, us, rounds in zip(out[-6::3], out[-5::3], out[-4::3]):
+            if rounds:
+                self.policy.time(length, us / 1e6, rounds=rounds)
+        return out[:-6]
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position

@@ -7,7 +7,8 @@ tokens per second of the loop's own wall clock:
 - Seconds per round are measured on the rounds that took that length (a
   decaying mean, apart for each batch width; the first round after a switch
   between drafting and plain steps is not counted). The plain step and the
-  full block are timed first; a length not timed yet is estimated by linear
+  full block are timed first, and the plain step again after every
+  ``refresh`` drafting rounds; a length not timed yet is estimated by linear
   interpolation between timed ones, which is optimistic (a drafting round
   pays the draft pass at any length), so it is tried where it might win.
 - Tokens per round come from every drafting round: one that verified L
@@ -16,19 +17,21 @@ tokens per second of the loop's own wall clock:
   depth; a depth seen little leans on the depth before it.
 
 While plain steps win, a drafting round still runs after 1, 2, 4, ... of
-them (at most ``max_wait``; after 1 again when one had a draft accepted), so
-a draft that starts to help is found again.
+them (at most ``max_wait``; half as many when one had a draft accepted),
+so a draft that starts to help is found again.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
 """
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
 TRUST = 1.5  # timed rounds (decayed) before a length's time is trusted
+clock = time.perf_counter  # the loop's clock (a test may put a modelled one here)
 
 
 @dataclass
@@ -42,6 +45,9 @@ class Policy:
         prior: Pseudo-trials behind each depth's starting guess.
         max_wait: The most plain steps between drafting rounds while plain
             steps win.
+        refresh: Drafting rounds after which the plain step is timed again:
+            the lengths are compared by times taken at about the same
+            time, whatever else the machine does meanwhile.
     """
 
     block_size: int
@@ -49,13 +55,15 @@ class Policy:
     decay: float = 0.95
     prior: float = 1.0
     max_wait: int = 128
+    refresh: int = 64
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
     wait: int = field(init=False, default=0)  # plain steps between drafting rounds
-    skip: int = field(init=False, default=0)  # plain steps left before the next
+    skip: int = field(init=False, default=0)  # plain steps to take before drafting again
     hit: bool = field(init=False, default=False)  # the last drafting round had a draft accepted
+    since: Dict[int, int] = field(init=False, default_factory=dict)  # drafting rounds timed since a plain step
 
     def __post_init__(self):
         depth = max(self.block_size - 1, 0)
@@ -93,21 +101,25 @@ class Policy:
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
-        tokens per second, ``width`` rows at once; an end never timed first."""
+        tokens per second, ``width`` rows at once (the untimed full block first)."""
         options = [n for n in self.lengths if least <= n <= (limit or self.block_size)]
-        for n in (self.block_size, 1):
-            if n in options and not self.timed(n, width):
-                return n
+        if self.block_size in options and not self.timed(self.block_size, width):
+            return self.block_size
+        if not self.timed(1, width):
+            options = [n for n in options if n > 1] or [1]
+        if self.seconds(options[-1], width) is None:  # nothing timed within the limit
+            return options[-1]
         return max(options, key=lambda n: self.tokens(n) / self.seconds(n, width))
 
     def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
-        """The next round's length: :meth:`best`, but while plain steps win,
-        the best drafting round after ``wait`` of them."""
+        """The next round's length: :meth:`best`, plain steps while ``skip``
+        says so, and while plain steps win, the best drafting round after
+        ``wait`` of them."""
         limit = limit or self.block_size
+        if self.skip > 0 or limit < 2:
+            return 1
         best = self.best(limit, width)
-        if best > 1 or self.skip > 0 or limit < 2 or not self.timed(1, width):
-            return best
-        return self.best(limit, width, least=2)
+        return best if best > 1 else self.best(limit, width, least=2)
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row and accepted
@@ -125,21 +137,29 @@ class Policy:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""
         return self.times.get((width, length), [0, 0])[1] >= TRUST
 
-    def time(self, length: int, seconds: float, width: int = 1) -> None:
-        """A round of ``length`` on ``width`` rows took ``seconds``."""
+    def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1) -> None:
+        """``rounds`` rounds of ``length`` on ``width`` rows took ``seconds`` each."""
         s = self.times.setdefault((width, length), [0.0, 0.0])
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])
-        s[0] = self.decay * s[0] + seconds
-        s[1] = self.decay * s[1] + 1
+        for _ in range(rounds):
+            s[0] = self.decay * s[0] + seconds
+            s[1] = self.decay * s[1] + 1
+        self.since[width] = 0 if length == 1 else self.since.get(width, 0) + rounds
+        if self.since[width] >= self.refresh:  # the machine's pace may have changed
+            self.times.pop((width, 1), None)
+            self.since[width] = 0
 
     def took(self, length: int, width: int = 1) -> None:
-        """Count a round of ``length`` (learnt from and timed) toward the
-        wait between drafting rounds while plain steps win."""
+        """Count a round of ``length`` (learnt from and timed): plain steps
+        to take before drafting again, to time them, or while they win."""
         if length == 1:
             self.skip = max(self.skip - 1, 0)
-        elif self.best(width=width) == 1:  # a draft accepted: try again soon
-            self.wait = self.skip = 1 if self.hit else min(max(1, 2 * self.wait), self.max_wait)
+        elif not self.timed(1, width):
+            if self.timed(self.block_size, width):
+                self.skip = 3
+        elif self.best(width=width) == 1:  # a draft accepted: try again sooner
+            self.wait = self.skip = max(self.wait // 2, 1) if self.hit else min(max(1, 2 * self.wait), self.max_wait)
         else:
             self.wait = 0
 

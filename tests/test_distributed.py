@@ -122,8 +122,36 @@ PIPELINE = textwrap.dedent(
 )
 
 
+# One worker of a parallel run (pytest -n) takes all these tests: each runs two
+# ranks, which is this machine's share of cores already.
+pytestmark = pytest.mark.xdist_group("distributed")
+
+
+def ring_port() -> int:
+    """A starting port for the ring backend (rank r listens on it + r) with
+    both ports free, instead of mlx.launch's fixed 32323: a port left in
+    TIME_WAIT or taken by another run on this machine cannot collide."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        if port < 65535:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    pass
+    raise RuntimeError("no two consecutive free ports")
+
+
+def launch_cmd(args):
+    return [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(ring_port()), "--python", PYTHON,
+            "--", *args]
+
+
 def launch(args, timeout=120, env=None):
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", *args]
+    cmd = launch_cmd(args)
     env = dict(os.environ, **(env or {}))
     env.setdefault("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
     env.pop("OPENBLAS_NUM_THREADS", None)  # the ranks choose their share
@@ -260,8 +288,8 @@ def test_server_on_two_ranks(tmp_path, target_folder):
     target = target_folder("qwen3", tied=True)
     draft = make_draft(tmp_path / "draft", target, echo=True)
     port = free_port()
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--python", PYTHON, "--", "-m", "dflash_mlx.server",
-           "--model", str(target), "--draft", str(draft), "--port", str(port), "--block-size", "4"]
+    cmd = launch_cmd(["-m", "dflash_mlx.server",
+           "--model", str(target), "--draft", str(draft), "--port", str(port), "--block-size", "4"])
     env = dict(os.environ, LD_PRELOAD="/usr/lib/x86_64-linux-gnu/libopenblas.so.0")
     p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True, preexec_fn=default_sigint)

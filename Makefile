@@ -29,8 +29,11 @@ blas:
 test: install
 	$(MAKE) --no-print-directory _test
 
+# Two worker processes (pytest-xdist); the distributed tests (two ranks each)
+# stay together on one worker. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 _test:
-	$(RUN) -m pytest -q tests
+	$(RUN) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup
 
 demo: install
 	$(MAKE) --no-print-directory _demo

@@ -7,6 +7,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_draft, make_target  # noqa: E402
 
+# Modules that hold the longest tests run first: with `pytest -n 2` the two
+# workers then share out the long ones instead of one of them finishing alone.
+SLOW_FIRST = ["test_distributed", "test_smollm2", "test_long_run", "test_variants", "test_sampling", "test_soak"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {m: i for i, m in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__, len(rank)))  # stable: same order inside
+
+
+def pytest_configure(config):
+    """A worker of `pytest -n N` decodes with one OpenBLAS thread: the workers
+    already share the cores (and single-threaded the tiny models decode as fast)."""
+    import os
+
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one worker of pytest -n")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None).openblas_set_num_threads(1)
+        except (OSError, AttributeError):  # no OpenBLAS preloaded
+            pass
+
+
 ARCHS = ["qwen3", "llama", "qwen3_5", "qwen3_next", "qwen3_4bit", "gpt_oss"]
 HYBRID = ["qwen3_5", "qwen3_next"]
 

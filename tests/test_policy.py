@@ -148,7 +148,7 @@ def test_auto_sampling_is_reproducible(modelled, loaded, draft_for):
     assert sum(d for _, _, d in rb) < sum(d for _, _, d in ra), (ra, rb)
 
 
-def test_auto_sampling_follows_the_target_law(loaded, draft_for):
+def test_auto_sampling_follows_the_target_law(modelled, loaded, draft_for):
     """Three tokens at temperature 1, top-k 3, the echo draft sure of the
     likeliest token: rounds that draft and plain steps, whatever auto
     chooses, draw the target's law. The seeds are fixed, so the distance is too."""

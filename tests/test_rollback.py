@@ -38,7 +38,7 @@ def fed(target, tokens):
     return cache
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", *HYBRID])
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", *HYBRID, "gemma4", "kimi_k25"])
 def test_rollback_to_every_length(arch, loaded):
     model, tok, _ = loaded(arch)
     target = Target(model)

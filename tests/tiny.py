@@ -15,6 +15,7 @@ from mlx_lm.utils import _get_classes, quantize_model
 
 from dflash_mlx.models.config import DFlashConfig
 from dflash_mlx.engine.draft import DFlashDraft
+from dflash_mlx.engine.target import Target
 from dflash_mlx.models.loading import save_draft
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -85,6 +86,46 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
+    if arch == "gemma4":  # gemma-4-26B-A4B-like: sliding + global layers, MoE block, k = v globally
+        text = dict(
+            base,
+            model_type="gemma4_text",
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * (layers // 3),
+            num_kv_shared_layers=0,
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=4,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+            vocab_size_per_layer_input=vocab,
+            final_logit_softcapping=30.0,
+            rope_parameters={
+                "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1e6, "rope_type": "proportional"},
+                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+            },
+            tie_word_embeddings=True,
+        )
+        return {"model_type": "gemma4", "vocab_size": vocab, "text_config": text}
+    if arch == "kimi_k25":  # DeepSeek-V3 layers: multi-head latent attention, routed + shared experts
+        text = dict(
+            base,
+            model_type="kimi_k2",
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+        )
+        return {"model_type": "kimi_k25", "text_config": text}
     linear = dict(
         linear_num_value_heads=4,
         linear_num_key_heads=2,
@@ -102,6 +143,16 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
             "partial_rotary_factor": 0.5,
         }
         return {"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": tied}
+    if arch == "qwen3_5_moe":
+        text = dict(
+            target_config("qwen3_5", vocab, layers, tied)["text_config"],
+            model_type="qwen3_5_moe_text",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+        return {"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": tied}
     if arch == "qwen3_next":
         return dict(
             base,
@@ -133,8 +184,10 @@ def make_target(
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(config))
     _scale_embedding(model)
-    if tied and hasattr(model, "lm_head"):  # an arch without the tie option
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if tied:  # also archs without the tie option
+        target = Target(model)
+        if isinstance(target.head, nn.Module):
+            target.head.weight = target.embed.weight
     if arch.endswith("4bit"):
         model, config = quantize_model(model, config, group_size=32, bits=4)
     if dtype is not None:

@@ -41,7 +41,8 @@ class _Tap(nn.Module):
 
     def __call__(self, x, *args, **kwargs):
         out = self.module(x, *args, **kwargs)
-        self.value = x if self.keep == "input" else out
+        # Gemma 4's layers return (hidden, shared_kv, offset).
+        self.value = x if self.keep == "input" else out[0] if isinstance(out, tuple) else out
         return out
 
 
@@ -67,7 +68,7 @@ class Target:
         self.inner, outer = _find_inner(model)
         self.layers: List[nn.Module] = self.inner.layers
         self.embed = self.inner.embed_tokens
-        lm_head = getattr(outer, "lm_head", None)
+        lm_head = _lm_head(outer)
         self.head = lm_head if lm_head is not None else self.embed.as_linear
         self._head_rows = lm_head if lm_head is not None else self.embed
         self.lock = _lock_for(model)
@@ -271,6 +272,16 @@ def _find_inner(model: nn.Module):
         "dflash_mlx expects layers and embed_tokens under model.model, "
         "or language_model.model, as mlx-lm text models have."
     )
+
+
+def _lm_head(outer: nn.Module) -> Optional[nn.Module]:
+    """The untied LM head, also where it sits beside the decoder one level
+    down (Kimi-K2.5: model.language_model.lm_head, model.model a property)."""
+    for m in (outer, getattr(outer, "language_model", None)):
+        head = getattr(m, "lm_head", None)
+        if head is not None:
+            return head
+    return None
 
 
 def _pack_factor(embed: nn.Module) -> int:

@@ -1,7 +1,7 @@
 """Targets with published z-lab drafts (issue 35 item 3) as tiny real mlx-lm
 configurations, saved as folders and loaded through dflash_mlx.load: gemma4
 (sliding + global layers, rotating caches), kimi_k25 (DeepSeek-V3 multi-head
-latent attention), qwen3_5_moe (gated DeltaNet + MoE)."""
+latent attention), qwen3_5_moe (gated DeltaNet + MoE), minimax (MiniMax-M2.5)."""
 
 import mlx.core as mx
 import pytest
@@ -9,7 +9,7 @@ import pytest
 from dflash_mlx.engine.target import Target
 from util import dflash_tokens, mlx_run, runs
 
-PUBLISHED = ["gemma4", "kimi_k25", "qwen3_5_moe"]
+PUBLISHED = ["gemma4", "kimi_k25", "qwen3_5_moe", "minimax"]
 PROMPTS = ["def foo(x):\n    return"]
 
 

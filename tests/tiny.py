@@ -86,6 +86,16 @@ def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) ->
             sliding_window=8,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2),
         )
+    if arch == "minimax":  # MiniMax-M2.5: MoE, partial rotary, per-layer q/k norms
+        return dict(
+            base,
+            model_type="minimax_m2",
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            shared_intermediate_size=0,
+            rotary_dim=8,
+            use_qk_norm=True,
+        )
     if arch == "gemma4":  # gemma-4-26B-A4B-like: sliding + global layers, MoE block, k = v globally
         text = dict(
             base,

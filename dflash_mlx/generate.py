@@ -37,6 +37,10 @@ KNOWN_DRAFTS = {
     "gpt-oss-20b": "z-lab/gpt-oss-20b-DFlash",
     "gpt-oss-120b": "z-lab/gpt-oss-120b-DFlash",
     "kimi-k2.5": "z-lab/Kimi-K2.5-DFlash",
+    "minimax-m2.5": "z-lab/MiniMax-M2.5-DFlash",
+    "gemma-4-12b-it": "z-lab/gemma4-12B-it-DFlash",
+    "gemma-4-26b-a4b-it": "z-lab/gemma-4-26B-A4B-it-DFlash",
+    "gemma-4-31b-it": "z-lab/gemma-4-31B-it-DFlash",
     "llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
     "meta-llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
 }

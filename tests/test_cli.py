@@ -77,6 +77,10 @@ def test_known_drafts():
     assert known_draft("mlx-community/Qwen3.5-35B-A3B-4bit") == "z-lab/Qwen3.5-35B-A3B-DFlash"
     assert known_draft("meta-llama/Llama-3.1-8B-Instruct") == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert known_draft("Qwen/Qwen2.5-7B") is None
+    assert known_draft("mlx-community/gemma-4-26b-a4b-it-4bit") == "z-lab/gemma-4-26B-A4B-it-DFlash"
+    assert known_draft("google/gemma-4-31B-it") == "z-lab/gemma-4-31B-it-DFlash"
+    assert known_draft("google/gemma-4-31B") is None  # the drafts are trained on the -it models
+    assert known_draft("MiniMaxAI/MiniMax-M2.5") == "z-lab/MiniMax-M2.5-DFlash"
 
 
 def test_ctrl_c_ends_cleanly(target_folder, tmp_path):

@@ -27,10 +27,12 @@ WORKER = textwrap.dedent(
     from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.models import distributed
 
+    spec = json.loads(sys.argv[1])
     group = distributed.group()
     rank = distributed.rank()
+    out = {"rank": rank, "size": group.size() if group else 1}
     import ctypes
-    blas_threads = ctypes.CDLL(None).openblas_get_num_threads()
+    out["blas_threads"] = ctypes.CDLL(None).openblas_get_num_threads()
 
     counts = {}
     def counting(name, fn):
@@ -43,61 +45,50 @@ WORKER = textwrap.dedent(
     for name in ("all_sum", "all_gather", "send", "recv_like"):
         setattr(mx.distributed, name, counting(name, getattr(mx.distributed, name)))
 
+    def measured(key, gen):
+        counts.clear()
+        tokens = gen()
+        out[key] = tokens
+        out[key + "_collectives"] = {k: v[:] for k, v in counts.items()}
 
-    def run(spec):
-        out = {"rank": rank, "size": group.size() if group else 1, "blas_threads": blas_threads}
+    model, tok = load(spec["target"])
+    right = load_draft(spec["right"])  # always right on the "class A:" prompt
+    draft = load_draft(spec["draft"])  # random weights: rarely right
+    n = spec.get("max_tokens", 24)
 
-        def measured(key, gen):
-            counts.clear()
-            tokens = gen()
-            out[key] = tokens
-            out[key + "_collectives"] = {k: v[:] for k, v in counts.items()}
+    def dflash(prompt, d, **kw):
+        ids = []
+        for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
+            ids += r.tokens
+            if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
+                if os.environ.get("HANG"):  # alive, but no longer taking part
+                    time.sleep(float(os.environ["HANG"]))
+                os._exit(0)
+        return ids
 
-        model, tok = load(spec["target"])
-        right = load_draft(spec["right"])  # always right on the "class A:" prompt
-        draft = load_draft(spec["draft"])  # random weights: rarely right
-        n = spec.get("max_tokens", 24)
+    def plain(prompt):
+        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
 
-        def dflash(prompt, d, **kw):
-            ids = []
-            for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
-                ids += r.tokens
-                if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
-                    if os.environ.get("HANG"):  # alive, but no longer taking part
-                        time.sleep(float(os.environ["HANG"]))
-                    os._exit(0)
-            return ids
-
-        def plain(prompt):
-            return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
-
-        try:
-            measured("dflash", lambda: dflash("def f(x):", draft, block_size=4))
-            if spec.get("die"):
-                out["finished"] = True
-            else:
-                measured("plain", lambda: plain("def f(x):"))
-                measured("right", lambda: dflash("class A:\\n", right, block_size=16))
-                measured("right_plain", lambda: plain("class A:\\n"))
-                out["auto"] = dflash("class A:\\n", right)
-                out["seeded"] = dflash("def f(x):", right, temperature=1.0, seed=7, block_size=4)
-                out["unseeded"] = dflash("def f(x):", right, temperature=1.0, block_size=4)
-                try:
-                    load(spec["target"], pipeline=True)
-                    out["pipeline"] = "loaded"
-                except Exception as e:
-                    out["pipeline"] = f"{type(e).__name__}: {e}"
-        except Exception as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-        with open(spec["out"] + f".{rank}.json", "w") as f:
-            json.dump(out, f)
-
-
-    # One spec, or a list of them run one after the other in one launch (one
-    # start of the two ranks for several targets).
-    specs = json.loads(sys.argv[1])
-    for spec in specs if isinstance(specs, list) else [specs]:
-        run(spec)
+    try:
+        measured("dflash", lambda: dflash("def f(x):", draft, block_size=4))
+        if spec.get("die"):
+            out["finished"] = True
+        else:
+            measured("plain", lambda: plain("def f(x):"))
+            measured("right", lambda: dflash("class A:\\n", right, block_size=16))
+            measured("right_plain", lambda: plain("class A:\\n"))
+            out["auto"] = dflash("class A:\\n", right)
+            out["seeded"] = dflash("def f(x):", right, temperature=1.0, seed=7, block_size=4)
+            out["unseeded"] = dflash("def f(x):", right, temperature=1.0, block_size=4)
+            try:
+                load(spec["target"], pipeline=True)
+                out["pipeline"] = "loaded"
+            except Exception as e:
+                out["pipeline"] = f"{type(e).__name__}: {e}"
+    except Exception as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    with open(spec["out"] + f".{rank}.json", "w") as f:
+        json.dump(out, f)
     """
 )
 
@@ -108,26 +99,25 @@ PIPELINE = textwrap.dedent(
     from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.models import distributed
 
-    # [[target, draft, right, out], ...]: targets one after the other in one launch.
-    for target, draft, right, out in json.loads(sys.argv[1]):
-        model, tok = load(target, pipeline=True)
+    target, draft, right, out = sys.argv[1:]
+    model, tok = load(target, pipeline=True)
 
-        def plain(prompt):
-            return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=16)]
+    def plain(prompt):
+        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=16)]
 
-        def ours(prompt, d, **kw):
-            return [t for r in stream_generate(model, d, tok, prompt, max_tokens=16, **kw) for t in r.tokens]
+    def ours(prompt, d, **kw):
+        return [t for r in stream_generate(model, d, tok, prompt, max_tokens=16, **kw) for t in r.tokens]
 
-        res = {"plain": plain("def f(x):"), "right_plain": plain("class A:\\n")}
-        res["none"] = ours("def f(x):", None)
-        res["random4"] = ours("def f(x):", load_draft(draft), block_size=4)
-        res["right16"] = ours("class A:\\n", load_draft(right), block_size=16)
-        res["auto"] = ours("class A:\\n", load_draft(right))
-        res["right16_sizes"] = [len(r.tokens) for r in stream_generate(
-            model, load_draft(right), tok, "class A:\\n", max_tokens=16, block_size=16)]
-        res["seeded"] = ours("def f(x):", load_draft(right), temperature=1.0, seed=3, block_size=4)
-        with open(f"{out}.{distributed.rank()}.json", "w") as f:
-            json.dump(res, f)
+    res = {"plain": plain("def f(x):"), "right_plain": plain("class A:\\n")}
+    res["none"] = ours("def f(x):", None)
+    res["random4"] = ours("def f(x):", load_draft(draft), block_size=4)
+    res["right16"] = ours("class A:\\n", load_draft(right), block_size=16)
+    res["auto"] = ours("class A:\\n", load_draft(right))
+    res["right16_sizes"] = [len(r.tokens) for r in stream_generate(
+        model, load_draft(right), tok, "class A:\\n", max_tokens=16, block_size=16)]
+    res["seeded"] = ours("def f(x):", load_draft(right), temperature=1.0, seed=3, block_size=4)
+    with open(f"{out}.{distributed.rank()}.json", "w") as f:
+        json.dump(res, f)
     """
 )
 
@@ -204,31 +194,10 @@ def right_draft(arch, loaded, tmp_path):
     return str(make_draft(tmp_path / "right", folder, mask_token_id=first, echo=True))
 
 
-SHARDED = ["qwen3", "llama"]
-
-
-@pytest.fixture(scope="module")
-def sharded(worker, tmp_path_factory, target_folder, loaded):
-    """Both targets run in one launch (one start of the two ranks):
-    (the launch, {arch: (rank 0's results, rank 1's)})."""
-    root, specs = tmp_path_factory.mktemp("sharded"), []
-    for arch in SHARDED:
-        d = root / arch
-        target = target_folder(arch, tied=True)
-        specs.append(dict(target=str(target), out=str(d / "out"), draft=str(make_draft(d / "draft", target)),
-                          right=right_draft(arch, loaded, d)))
-    p = launch([str(worker), json.dumps(specs)], timeout=240)
-    ranks = {}
-    for arch, spec in zip(SHARDED, specs):
-        files = [Path(f"{spec['out']}.{r}.json") for r in (0, 1)]
-        ranks[arch] = [json.loads(f.read_text()) if f.exists() else None for f in files]
-    return p, ranks
-
-
-@pytest.mark.parametrize("arch", SHARDED)
-def test_sharded_dflash_matches_plain_on_both_ranks(arch, sharded):
-    p, ranks = sharded
-    r0, r1 = ranks[arch]
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_sharded_dflash_matches_plain_on_both_ranks(arch, worker, tmp_path, target_folder, loaded):
+    target = target_folder(arch, tied=True)
+    p, (r0, r1) = run_worker(worker, tmp_path, target, right=right_draft(arch, loaded, tmp_path))
     assert r0 and r1, p.stderr[-2000:]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     assert (r0["size"], r1["size"]) == (2, 2)
@@ -287,36 +256,19 @@ def test_uneven_tensor_split_is_refused_clearly(tmp_path):
     assert "cannot be split evenly over 2 ranks" in p.stderr and "num_key_value_heads = 1" in p.stderr, p.stderr
 
 
-PIPELINED = ["qwen3_next", "qwen3_5"]
-
-
-@pytest.fixture(scope="module")
-def pipelined(tmp_path_factory, target_folder, loaded):
-    """Both targets run in one launch: {arch: (target, random draft, rank 0's results, rank 1's)}."""
-    root, jobs = tmp_path_factory.mktemp("pipelined"), []
-    script = root / "pipeline.py"
-    script.write_text(PIPELINE)
-    for arch in PIPELINED:
-        d = root / arch
-        target = target_folder(arch, tied=True)
-        draft = make_draft(d / "draft", target)
-        jobs.append([str(target), str(draft), right_draft(arch, loaded, d), str(d / "out")])
-    p = launch([str(script), json.dumps(jobs)], timeout=240)
-    found = {}
-    for arch, (target, draft, _, out) in zip(PIPELINED, jobs):
-        files = [Path(f"{out}.{r}.json") for r in (0, 1)]
-        assert all(f.exists() for f in files), p.stderr[-2000:]
-        found[arch] = (Path(target), Path(draft), *(json.loads(f.read_text()) for f in files))
-    return found
-
-
-@pytest.mark.parametrize("arch", PIPELINED)
-def test_dflash_on_a_pipeline_sharded_target(arch, pipelined):
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_dflash_on_a_pipeline_sharded_target(arch, tmp_path, target_folder, loaded):
     """Qwen3-Next and Qwen3.5 shard as a pipeline only (each rank runs half the
     layers, gated-DeltaNet caches included): the tapped features are summed
     over the ranks, and DFlash stays token-identical to plain decoding on both
     ranks, with drafts rejected (random draft) and accepted (echo draft)."""
-    target, draft, r0, r1 = pipelined[arch]
+    target = target_folder(arch, tied=True)
+    draft = make_draft(tmp_path / "draft", target)
+    script = tmp_path / "pipeline.py"
+    script.write_text(PIPELINE)
+    p = launch([str(script), str(target), str(draft), right_draft(arch, loaded, tmp_path), str(tmp_path / "out")])
+    assert (tmp_path / "out.1.json").exists() and (tmp_path / "out.0.json").exists(), p.stderr[-2000:]
+    r0, r1 = (json.loads(Path(tmp_path / f"out.{r}.json").read_text()) for r in (0, 1))
     assert r0 == r1
     assert r0["plain"] == r0["none"] == r0["random4"] and len(r0["plain"]) == 16
     assert r0["right_plain"] == r0["right16"] == r0["auto"]

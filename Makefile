@@ -29,11 +29,10 @@ blas:
 test: install
 	$(MAKE) --no-print-directory _test
 
-# Two worker processes (pytest-xdist); the distributed tests (two ranks each)
-# stay together on one worker. TEST_WORKERS=0 runs in one process.
+# Two worker processes (pytest-xdist); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
 _test:
-	$(RUN) -m pytest -q tests -n $(TEST_WORKERS) --dist loadgroup
+	$(RUN) -m pytest -q tests -n $(TEST_WORKERS)
 
 demo: install
 	$(MAKE) --no-print-directory _demo

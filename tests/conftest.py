@@ -22,7 +22,6 @@ def pytest_configure(config):
     already share the cores (and single-threaded the tiny models decode as fast)."""
     import os
 
-    config.addinivalue_line("markers", "xdist_group(name): run these tests on one worker of pytest -n")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import ctypes
 

@@ -122,15 +122,11 @@ PIPELINE = textwrap.dedent(
 )
 
 
-# One worker of a parallel run (pytest -n) takes all these tests: each runs two
-# ranks, which is this machine's share of cores already.
-pytestmark = pytest.mark.xdist_group("distributed")
-
-
 def ring_port() -> int:
     """A starting port for the ring backend (rank r listens on it + r) with
-    both ports free, instead of mlx.launch's fixed 32323: a port left in
-    TIME_WAIT or taken by another run on this machine cannot collide."""
+    both ports free, instead of mlx.launch's fixed 32323: two of these tests
+    on the two workers of `pytest -n 2`, or another run on this machine, no
+    longer collide."""
     import socket
 
     for _ in range(50):

@@ -5,8 +5,9 @@ latent attention), qwen3_5_moe (gated DeltaNet + MoE), minimax (MiniMax-M2.5).""
 
 import mlx.core as mx
 import pytest
+from mlx_lm.utils import _get_classes
 
-from dflash_mlx.engine.target import Target
+from dflash_mlx.engine.target import Target, _Tap
 from util import dflash_tokens, mlx_run, runs
 
 PUBLISHED = ["gemma4", "kimi_k25", "qwen3_5_moe", "minimax"]
@@ -41,3 +42,59 @@ def test_draft_reads_the_targets_own_head(arch, loaded):
     tokens = mx.array([tok.encode(PROMPTS[0])])
     ours = mx.argmax(target.head(target.inner(tokens)), axis=-1)
     assert mx.array_equal(ours, mx.argmax(model(tokens), axis=-1)).item()
+
+
+def _first_layer_input(target, tokens):
+    """What the target's first decoder layer receives in a full forward."""
+    tap = _Tap(target.layers[0], "input")
+    target.layers[0] = tap
+    try:
+        mx.eval(target.model(tokens))
+    finally:
+        target.layers[0] = tap.module
+    return tap.value
+
+
+def _check_reads_as_target(model, tokens):
+    target = Target(model)
+    assert mx.array_equal(target.embed(tokens), _first_layer_input(target, tokens)).item()
+    logits, h = model(tokens), target.inner(tokens)
+    assert mx.array_equal(target.head(h), logits).item()
+    ids = mx.array([1, 7, 42])
+    assert mx.allclose(target.head_over(ids)(h), logits[..., ids], rtol=1e-5, atol=1e-4).item()
+    return target
+
+
+@pytest.mark.parametrize("arch", PUBLISHED)
+def test_draft_reads_embeddings_and_logits_as_the_target_uses_them(arch, loaded):
+    """The draft's embedding of a token is what the target's first layer
+    receives for it, and its logits of a hidden state are the target's own:
+    Gemma 4 scales its embedding by sqrt(hidden_size) before its layers and
+    softcaps its logits after the head, and the z-lab Gemma 4 drafts were
+    trained on both (vLLM PR 41703)."""
+    model, tok, _ = loaded(arch)
+    _check_reads_as_target(model, mx.array([tok.encode(PROMPTS[0])]))
+
+
+SMALL = dict(
+    hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=100,
+    rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=True,
+)
+SCALED = {  # the same kind of model: embedding scaled outside embed_tokens, logits softcapped
+    "gemma": {},
+    "gemma2": dict(query_pre_attn_scalar=16, final_logit_softcapping=30.0),
+    "gemma3_text": dict(sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("arch", [*SCALED, "qwen3"])
+def test_other_archs_read_as_the_target_uses_them(arch):
+    """Gemma 1-3 too; a target that feeds embed_tokens' output straight to its
+    layers keeps the embedding module itself (no extra work per block)."""
+    config = dict(SMALL, model_type=arch, **SCALED.get(arch, {}))
+    model_cls, args_cls = _get_classes(config)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(config))
+    target = _check_reads_as_target(model, mx.array([[3, 5, 7, 5, 3, 9]]))
+    assert (target.embed is target.embed_tokens) == (arch == "qwen3")

@@ -196,8 +196,8 @@ def make_target(
     _scale_embedding(model)
     if tied:  # also archs without the tie option
         target = Target(model)
-        if isinstance(target.head, nn.Module):
-            target.head.weight = target.embed.weight
+        if target._head_rows is not target.embed_tokens:
+            target._head_rows.weight = target.embed_tokens.weight
     if arch.endswith("4bit"):
         model, config = quantize_model(model, config, group_size=32, bits=4)
     if dtype is not None:

@@ -46,6 +46,74 @@ class _Tap(nn.Module):
         return out
 
 
+class _Stop(Exception):
+    pass
+
+
+class _Entry(_Tap):
+    """Stands in for the first decoder layer: keeps its input, stops the forward."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module, "input")
+
+    def __call__(self, x, *args, **kwargs):
+        self.value = x
+        raise _Stop
+
+
+class _LayerInput:
+    """The draft's embedding when the target transforms its embedding before
+    its first layer: that layer's input, computed by the target itself (exact
+    whatever the transform). Reads as the embedding module otherwise
+    (``weight``, ``parameters()``)."""
+
+    def __init__(self, target: "Target"):
+        self._target = target
+
+    def __getattr__(self, key):
+        return getattr(self._target.embed_tokens, key)
+
+    def __call__(self, tokens: mx.array) -> mx.array:
+        return self._target.first_layer_input(tokens)
+
+
+_outside: Dict[int, bool] = {}
+
+
+def _embeds_outside(target: "Target") -> bool:
+    """Whether the first decoder layer receives something other than
+    embed_tokens' output (probed once per model instance), as a function of
+    the token alone (learned position embeddings would not be). A pipeline
+    keeps the plain embedding: there only one rank sees layer 0's input, and
+    every rank must propose the same tokens."""
+    key = id(target.model)
+    if key not in _outside:
+        outside = False
+        a, b = target.vocab_rows // 2, target.vocab_rows // 3
+        ids = mx.array([[a, b, a, b]])
+        try:
+            x = None if target.pipeline else target.first_layer_input(ids)
+        except Exception:  # a decoder stack that cannot run alone: keep the plain embedding
+            x = None
+        if x is not None:
+            e = target.embed_tokens(ids)
+            outside = (
+                x.shape == e.shape
+                and not (x.dtype == e.dtype and mx.array_equal(x, e).item())
+                and mx.array_equal(x[:, :2], x[:, 2:]).item()
+            )
+        _outside[key] = outside
+        weakref.finalize(target.model, _outside.pop, key, None)
+    return _outside[key]
+
+
+def _softcapped(head, cap: Optional[float]):
+    """``head`` followed by mlx-lm's final logit softcapping, if the model has one."""
+    if not cap:
+        return head
+    return lambda h: mx.tanh(head(h) / cap) * cap
+
+
 _locks: Dict[int, threading.RLock] = {}
 _locks_guard = threading.Lock()
 
@@ -67,10 +135,9 @@ class Target:
         self.model = model
         self.inner, outer = _find_inner(model)
         self.layers: List[nn.Module] = self.inner.layers
-        self.embed = self.inner.embed_tokens
+        self.embed_tokens = self.inner.embed_tokens
         lm_head = _lm_head(outer)
-        self.head = lm_head if lm_head is not None else self.embed.as_linear
-        self._head_rows = lm_head if lm_head is not None else self.embed
+        self._head_rows = lm_head if lm_head is not None else self.embed_tokens
         self.lock = _lock_for(model)
         # A pipeline-sharded target (mlx-lm's PipelineMixin) runs only layers
         # start..end-1 here; the other entries are None or cut off.
@@ -79,6 +146,14 @@ class Target:
         self.pipeline = getattr(self.inner, "pipeline_size", 1) > 1
         # Made once: three new modules per forward cost ~80 us, ~2% of a toy step.
         self._tapped: Dict[int, _Tap] = {}
+        # The draft reads the target's embedding and head as the target's own
+        # layers and logits use them (published drafts were trained so): some
+        # models (the Gemmas, Granite, MiniCPM, ...) scale or normalize the
+        # embedding between embed_tokens and the first layer, and some cap
+        # their logits after the head (final_logit_softcapping).
+        self.embed = _LayerInput(self) if _embeds_outside(self) else self.embed_tokens
+        head = lm_head if lm_head is not None else self.embed_tokens.as_linear
+        self.head = _softcapped(head, model_args(model).get("final_logit_softcapping"))
 
     def _tap(self, i: int) -> "_Tap":
         """The recording wrapper of layer ``i``, made once per layer."""
@@ -95,18 +170,18 @@ class Target:
 
     @property
     def hidden_size(self) -> int:
-        return self.embed.weight.shape[1] * _pack_factor(self.embed)
+        return self.embed_tokens.weight.shape[1] * _pack_factor(self.embed_tokens)
 
     @property
     def vocab_rows(self) -> int:
-        return self.embed.weight.shape[0]
+        return self.embed_tokens.weight.shape[0]
 
     def head_over(self, ids: mx.array):
         """The LM head restricted to the vocabulary rows ``ids``: a function
         from hidden states [..., H] to logits [..., len(ids)]."""
         m = self._head_rows
         w = m.weight[ids]
-        bias = getattr(m, "bias", None) if m is not self.embed else None
+        bias = getattr(m, "bias", None) if m is not self.embed_tokens else None
         bias = bias[ids] if bias is not None else None  # e.g. phi's lm_head, also quantized
         if not hasattr(m, "scales"):
             rows = lambda h: h @ w.T
@@ -117,7 +192,23 @@ class Target:
             rows = lambda h: mx.quantized_matmul(
                 h, w, scales, biases, transpose=True, group_size=m.group_size, bits=m.bits, mode=mode
             )
-        return rows if bias is None else (lambda h: rows(h) + bias)
+        biased = rows if bias is None else (lambda h: rows(h) + bias)
+        return _softcapped(biased, model_args(self.model).get("final_logit_softcapping"))
+
+    def first_layer_input(self, tokens: mx.array) -> mx.array:
+        """What the first decoder layer receives for ``tokens`` [L] or [B, L]
+        (no cache): the forward stops there, so only the embedding stage runs."""
+        batch = tokens if tokens.ndim == 2 else tokens[None]
+        entry = _Entry(self.layers[0])
+        with self.lock:
+            self.layers[0] = entry
+            try:
+                self.inner(batch, cache=None)
+            except _Stop:
+                pass
+            finally:
+                self.layers[0] = entry.module
+        return entry.value if tokens.ndim == 2 else entry.value[0]
 
     def make_cache(self) -> list:
         return make_prompt_cache(self.model)

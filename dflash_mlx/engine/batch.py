@@ -144,8 +144,7 @@ class Batch:
                 d = row.dec.dstate
                 arrays += [c.state for c in d.cache if c.keys is not None] + [d.pending]
             mx.eval(arrays)
-        if row.dec.tuner is not None:
-            row.dec.tuner.remember(self.draft)
+        row.dec.remember(self.draft)
 
     def clear(self) -> None:
         """Drop every row at once (their prompt caches are left unfilled)."""

@@ -368,8 +368,7 @@ def stream_generate(
             # A step queued ahead (plain steps run pipelined) leaves the caches.
             with target.lock, mx.stream(generation_stream):
                 dec.settle()
-            if dec.tuner is not None:
-                dec.tuner.remember(draft)
+            dec.remember(draft)
 
 
 def _drawing(target: Target, draft: Optional[DFlashDraft], cache: Optional[list], temperature: float,
@@ -488,50 +487,36 @@ class _Decoder:
         clock.lap("verify", logits)
         out, a = self._choose(logits, history, block, proposal, q=q)
         rollback(self.cache, tape, a + 1, block.shape[0])
-        self._learn(length, a, length > 1)
+        self._learn(length, a)
         out = self.commit(out, a, f, block.shape[0])
         clock.lap("accept", [c.state for c in self.cache])
         self.timing = clock.laps if self.profile else None
         return out
 
     def propose(self, anchor: mx.array, length: int, pos: int):
-        """The ``length - 1`` draft tokens after ``anchor`` [1], the first at
-        position ``pos``, and for p/q verification the distributions they
-        were drawn from: (proposal, q or None). The draft pass runs while
-        the verify pass is being built."""
-        guess = self.guess(anchor, length, pos)
-        mx.async_eval([x for x in guess if x is not None])
-        return self.cut(guess, length)
-
-    def guess(self, anchor: mx.array, length: int, pos: int):
-        """The draft pass, lazily: (proposal [length - 1], q or None)."""
-        t, q = self.target, None
+        """The ``length - 1`` (>= 1) draft tokens after ``anchor`` [1], the
+        first at position ``pos``, in the target's vocabulary, and for p/q
+        verification the distributions they were drawn from: (proposal, q or
+        None). The draft pass runs while the verify pass is being built."""
+        q = None
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
         # mask positions and guesses worse; only length - 1 drafts are verified.
         kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
         logits = self.draft.propose(
-            anchor, self.dstate.pending, self.dcache, t.embed, self.head, self.draft.block_size, **kw
-        )
+            anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, self.draft.block_size, **kw
+        )[: length - 1]
         self.dstate.pending = None  # now in the draft's cache
         if self.tuner is not None and self.noise is not None:  # the target's noise at the same positions
             noise = self.noise(pos, length - 1)
-            proposal = self.tuner.draw(logits[: length - 1], noise if self.vocab is None else noise[:, self.vocab])
+            proposal = self.tuner.draw(logits, noise if self.vocab is None else noise[:, self.vocab])
         elif self.tuner is not None:
-            proposal, q = self.tuner.sample(logits[: length - 1])
+            proposal, q = self.tuner.sample(logits)
         else:
-            proposal = mx.argmax(logits[: length - 1], axis=-1)
-        return proposal, q
-
-    def cut(self, guess, length: int):
-        """The first ``length - 1`` tokens of a :meth:`guess` (in the target's
-        vocabulary) and their distributions, or (None, None) for none."""
-        proposal, q = guess
-        if length <= 1:
-            return None, None
-        proposal = proposal[: length - 1]
+            proposal = mx.argmax(logits, axis=-1)
+        mx.async_eval([proposal] if q is None else [proposal, q])
         if q is not None:
-            q = self._full(q[: length - 1])
+            q = self._full(q)
         if self.vocab is not None:
             proposal = self.vocab[proposal]
         return proposal.astype(mx.int32), q
@@ -562,20 +547,26 @@ class _Decoder:
         if f is not None:
             self.dstate.extend(f)
         out = y.tolist()
-        self._learn(1, 0, False, took=False)
+        self._learn(1, 0, took=False)
         self.rounds += 1
         self.committed += 1
         self.verified = 1
         return out
 
-    def _learn(self, length: int, accepted: int, drafted: bool, took: bool = True) -> None:
+    def remember(self, draft) -> None:
+        """Keep the tuner's temperature for the next generation with ``draft``
+        (the policy is kept per draft as it learns)."""
+        if self.tuner is not None:
+            self.tuner.remember(draft)
+
+    def _learn(self, length: int, accepted: int, took: bool = True) -> None:
         """Teach the policy a round whose tokens were just read, and time it.
         Plain steps are timed by the stretch, from the end of the round before
         the first to the end of the last, over their number: a pipelined
         step's work lands in the round that queued it. A drafting round is
         timed from the end of the last one; not after plain steps (it reads
         their features). Under mlx.launch, rank 0's times, a round late."""
-        now = _policy.clock()
+        now, drafted = _policy.clock(), length > 1
         if self.policy is not None:
             if drafted:
                 self.policy.learn(length, [accepted])

@@ -78,13 +78,17 @@ class Policy:
             out.append(last)
         return out
 
+    def gains(self) -> List[float]:
+        """Expected tokens committed by a round of each length 1..block."""
+        reach, out = 1.0, [1.0]
+        for p in self.chances():
+            reach *= p
+            out.append(out[-1] + reach)
+        return out
+
     def tokens(self, length: int) -> float:
         """Expected tokens committed by a round of ``length``."""
-        reach, total = 1.0, 1.0
-        for p in self.chances()[: length - 1]:
-            reach *= p
-            total += reach
-        return total
+        return self.gains()[length - 1]
 
     def seconds(self, length: int, width: int = 1) -> Optional[float]:
         """A round's expected seconds: measured, else interpolated between
@@ -109,7 +113,8 @@ class Policy:
             options = [n for n in options if n > 1] or [1]
         if self.seconds(options[-1], width) is None:  # nothing timed within the limit
             return options[-1]
-        return max(options, key=lambda n: self.tokens(n) / self.seconds(n, width))
+        gain = self.gains()
+        return max(options, key=lambda n: gain[n - 1] / self.seconds(n, width))
 
     def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
         """The next round's length: :meth:`best`, plain steps while ``skip``

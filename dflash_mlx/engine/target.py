@@ -153,7 +153,8 @@ class Target:
         # their logits after the head (final_logit_softcapping).
         self.embed = _LayerInput(self) if _embeds_outside(self) else self.embed_tokens
         head = lm_head if lm_head is not None else self.embed_tokens.as_linear
-        self.head = _softcapped(head, model_args(model).get("final_logit_softcapping"))
+        self.softcap = model_args(model).get("final_logit_softcapping")
+        self.head = _softcapped(head, self.softcap)
 
     def _tap(self, i: int) -> "_Tap":
         """The recording wrapper of layer ``i``, made once per layer."""
@@ -193,7 +194,7 @@ class Target:
                 h, w, scales, biases, transpose=True, group_size=m.group_size, bits=m.bits, mode=mode
             )
         biased = rows if bias is None else (lambda h: rows(h) + bias)
-        return _softcapped(biased, model_args(self.model).get("final_logit_softcapping"))
+        return _softcapped(biased, self.softcap)
 
     def first_layer_input(self, tokens: mx.array) -> mx.array:
         """What the first decoder layer receives for ``tokens`` [L] or [B, L]

@@ -110,8 +110,7 @@ def confidence(logits: mx.array) -> mx.array:
     """The draft's top probability at each offset, from its logits [N, V],
     within 0.02: each exp is a power of 2 read from float32 bits
     (2**y ~ 2**floor(y) * (1 + frac(y))), a third of mx.exp's time on
-    MLX-CPU in every drafting round; only the policy's bins and the
-    denoising order read it."""
+    MLX-CPU; the denoising order reads it."""
     y = shifted(logits) * (math.log2(math.e) * 2**23) + 127 * 2**23
     return 1 / mx.maximum(y, 0).astype(mx.int32).view(mx.float32).sum(axis=-1)
 

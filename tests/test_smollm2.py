@@ -11,6 +11,10 @@ from util import mlx_run
 
 HELDOUT = Path(__file__).parents[1] / "dflash_mlx" / "smollm2" / "heldout.jsonl"
 TAU_GUARD = 1.25
+# 24 tokens a prompt: 13-20 rounds at block 16 (rollbacks and accepted blocks
+# alike; tau 1.50 on these three prompts, 1.41 over 48 tokens) at half the
+# decoding of 48 (at ~0.1 s a token on one CPU thread, the suite's longest test).
+N = 24
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +33,9 @@ def test_embedded_draft_is_lossless_and_accepts(pair):
     for r in rows:
         prompt = tok.apply_chat_template([{"role": "user", "content": r["prompt"]}], tokenize=False,
                                          add_generation_prompt=True)
-        want, _ = mlx_run(model, tok, prompt, 48)
+        want, _ = mlx_run(model, tok, prompt, N)
         for bs in (1, 8, 16, "auto"):
-            out = list(stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=48))
+            out = list(stream_generate(model, draft, tok, prompt, block_size=bs, max_tokens=N))
             assert [t for x in out for t in x.tokens] == want, (r["id"], bs)
             if bs == 16:
                 rounds += out[-1].rounds

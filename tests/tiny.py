@@ -31,8 +31,33 @@ def corpus_files(n: int = 12):
     return [str(p) for p in sorted(lib.glob("*.py"))[:n]]
 
 
+_TRAINED = {}  # vocab_size -> (tokenizer.json text, its size): trained once per process
+
+
 def write_tokenizer(folder: Path, vocab_size: int = 320) -> int:
-    """Train a byte-level BPE on stdlib source; return its size."""
+    """Train a byte-level BPE on stdlib source; return its size.
+
+    The training is deterministic, so it runs once per process and later
+    folders get the same tokenizer.json (training took ~1 s of each build)."""
+    if vocab_size not in _TRAINED:
+        _TRAINED[vocab_size] = _train_tokenizer(vocab_size)
+    text, size = _TRAINED[vocab_size]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(text)
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
+    return size
+
+
+def _train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -44,19 +69,7 @@ def write_tokenizer(folder: Path, vocab_size: int = 320) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train(corpus_files(), trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "<|endoftext|>",
-                "pad_token": "<|endoftext|>",
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
-    return tok.get_vocab_size()
+    return tok.to_str(pretty=True), tok.get_vocab_size()
 
 
 def target_config(arch: str, vocab: int, layers: int = 6, tied: bool = False) -> dict:

@@ -41,6 +41,7 @@ KNOWN_DRAFTS = {
     "gemma-4-12b-it": "z-lab/gemma4-12B-it-DFlash",
     "gemma-4-26b-a4b-it": "z-lab/gemma-4-26B-A4B-it-DFlash",
     "gemma-4-31b-it": "z-lab/gemma-4-31B-it-DFlash",
+    "qwen3.8-27b": "z-lab/Qwen3.8-27B-DFlash2",
     "llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
     "meta-llama-3.1-8b-instruct": "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat",
 }

@@ -221,7 +221,8 @@ class DFlashDraft(nn.Module):
         tokens, kept, logits = mask, mx.zeros((n,), mx.bool_), None
         for k in range(1, steps + 1):
             block = mx.concatenate([anchor.reshape(1), tokens])[None]
-            new = head(self(embed(block), features, cache)[:, 1:])[0]
+            hidden = self(embed(block), features, cache)[:, 1:]
+            new = self.logits(hidden, head)
             features = features[:, :0]  # read into the cache by the first pass
             logits = new if logits is None else mx.where(kept[:, None], logits, new)
             if k == steps:
@@ -232,4 +233,12 @@ class DFlashDraft(nn.Module):
             guess = mx.argmax(logits, axis=-1)
             guess = (vocab[guess] if vocab is not None else guess).astype(anchor.dtype)
             tokens = mx.where(kept, guess, mask)
+        return self.select(logits, hidden, anchor)
+
+    def logits(self, hidden: mx.array, head: Callable[[mx.array], mx.array]) -> mx.array:
+        """The proposal rows [n, V] of the block's hidden states [1, n, H]."""
+        return head(hidden)[0]
+
+    def select(self, logits: mx.array, hidden: mx.array, anchor: mx.array) -> mx.array:
+        """The rows whose argmax is each offset's proposal (here the logits)."""
         return logits

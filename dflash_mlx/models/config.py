@@ -1,7 +1,7 @@
 """DFlashConfig: read, derive and validate a draft's config.json (z-lab format)."""
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -48,6 +48,51 @@ def _rope_type(d: Dict[str, Any]) -> str:
     return d.get("type") or d.get("rope_type") or "default"
 
 
+DFLASH2 = "DFlash2DraftModel"
+
+
+@dataclass
+class DFlash2Params:
+    """What a DFlash2 draft (``DFlash2DraftModel``) adds, from its dflash_config."""
+
+    conv_group_size: int
+    conv_kernel_size: int
+    selector_rank: int
+    selector_top_k: int
+    final_logit_softcapping: Optional[float] = None
+    output_multiplier: float = 1.0
+    input_embedding_scale: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any], dc: Dict[str, Any], hidden: int, vocab: int) -> "DFlash2Params":
+        if d.get("is_causal", False) is not False:
+            raise DraftConfigError(
+                "config.json: this DFlash2 draft asks for causal block attention (is_causal), "
+                "which dflash_mlx does not implement; published DFlash2 drafts set is_causal false."
+            )
+        args = {}
+        for f in fields(cls):
+            v = dc.get(f.name, d.get(f.name))
+            if v is None:
+                if f.default is MISSING:
+                    raise DraftConfigError(
+                        f"config.json: a DFlash2 draft needs dflash_config.{f.name}; it is missing."
+                    )
+                continue
+            kind = int if f.type is int else float
+            args[f.name] = _typed(f"dflash_config.{f.name}", v, kind)
+        p = cls(**args)
+        if min(p.conv_group_size, p.conv_kernel_size, p.selector_rank, p.selector_top_k) < 1:
+            raise DraftConfigError("config.json: DFlash2 conv and selector sizes must be positive.")
+        if hidden % p.conv_group_size:
+            raise DraftConfigError(
+                f"config.json: hidden_size {hidden} is not a multiple of conv_group_size {p.conv_group_size}."
+            )
+        if p.selector_top_k > vocab:
+            raise DraftConfigError(f"config.json: selector_top_k {p.selector_top_k} exceeds vocab_size {vocab}.")
+        return p
+
+
 @dataclass
 class DFlashConfig:
     hidden_size: int
@@ -69,6 +114,8 @@ class DFlashConfig:
     layer_types: Optional[List[str]] = None
     sliding_window: Optional[int] = None
     draft_vocab: Optional[List[int]] = None  # the target token ids the draft proposes from
+    dflash2: Optional[DFlash2Params] = None  # set for a DFlash2 draft
+    dtype: Optional[str] = None  # the stored weights' type, as config.json names it
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -135,6 +182,15 @@ class DFlashConfig:
             args["draft_vocab"] = vocab
         args["num_target_layers"] = T if T is not None else max(ids) + 1
 
+        nested = dc.get("block_size")  # DFlash2 configs keep it in dflash_config
+        if nested is not None:
+            nested = _typed("dflash_config.block_size", nested, int)
+            if args.get("block_size", nested) != nested:
+                raise DraftConfigError(
+                    f"config.json gives block_size {args['block_size']} and dflash_config.block_size "
+                    f"{nested}; they must agree."
+                )
+            args["block_size"] = nested
         if args.get("block_size", 16) < 1:
             raise DraftConfigError("config.json: 'block_size' must be at least 1.")
         rs = d.get("rope_scaling")
@@ -170,12 +226,23 @@ class DFlashConfig:
                 raise DraftConfigError(
                     f"config.json: 'layer_types' must list one type per draft layer ({D})."
                 )
+            unknown = sorted({t for t in lt if t not in LAYER_TYPES}, key=str)
+            if unknown:
+                raise DraftConfigError(
+                    f"config.json: draft layer type {unknown[0]!r} is not supported "
+                    f"(known: {', '.join(LAYER_TYPES)})."
+                )
             if "sliding_attention" in lt and not args.get("sliding_window"):
                 raise DraftConfigError(
                     "config.json: sliding_attention layers need a positive 'sliding_window'."
                 )
         args["layer_types"] = lt
-        known = {f.name for f in fields(cls)} | {"dflash_config"}
+        args["dtype"] = _dtype(d)
+        if DFLASH2 in (d.get("architectures") or []):
+            if args.get("draft_vocab"):
+                raise DraftConfigError("config.json: a DFlash2 draft cannot have a draft_vocab.")
+            args["dflash2"] = DFlash2Params.from_dict(d, dc, args["hidden_size"], args["vocab_size"])
+        known = {f.name for f in fields(cls)} | {"dflash_config", "torch_dtype", "is_causal", "architectures"}
         args["extra"] = {k: v for k, v in d.items() if k not in known}
         return cls(**args)
 
@@ -227,7 +294,30 @@ class DFlashConfig:
         if self.layer_types is not None:
             d["layer_types"] = self.layer_types
             d["sliding_window"] = self.sliding_window
+        if self.dtype is not None:
+            d["dtype"] = self.dtype
+        if self.dflash2 is not None:
+            d["architectures"], d["is_causal"] = [DFLASH2], False
+            d["dflash_config"].update(asdict(self.dflash2), block_size=self.block_size)
         return d
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _dtype(d: Dict[str, Any]) -> Optional[str]:
+    """The weights' type: ``dtype`` (transformers >= 5) or ``torch_dtype``."""
+    names = {k: d[k] for k in ("dtype", "torch_dtype") if d.get(k) is not None}
+    for k, v in names.items():
+        if v not in DTYPES:
+            raise DraftConfigError(f"config.json: '{k}' must be one of {', '.join(DTYPES)}, got {v!r}.")
+    if len(set(names.values())) > 1:
+        raise DraftConfigError(
+            f"config.json gives dtype {names['dtype']!r} and torch_dtype {names['torch_dtype']!r}; "
+            "they must agree."
+        )
+    return next(iter(names.values()), None)
 
 
 def _typed(name: str, value: Any, kind: type) -> Any:

@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from . import distributed
 from .config import DFlashConfig
+from ..engine.dflash2 import DFlash2Draft
 from ..engine.draft import DFlashDraft
 from ..errors import (
     DraftConfigError,
@@ -217,7 +218,7 @@ def load_draft(
         except Exception as e:  # network, auth, offline mode, unknown repo
             raise _hub_error("draft", path_or_repo, e) from None
     config = DFlashConfig.from_file(path / "config.json")
-    draft = DFlashDraft(config)
+    draft = (DFlash2Draft if config.dflash2 else DFlashDraft)(config)
     stored = _stored_quantization(config, path)
     # model.safetensors or shards model-0000x-of-0000y.safetensors; other
     # safetensors files in the folder (e.g. a trainer's) are not weights.

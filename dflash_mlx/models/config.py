@@ -127,6 +127,8 @@ class DFlashConfig:
         """Validate a parsed config.json and derive what it leaves out."""
         if not isinstance(d, dict):
             raise DraftConfigError("config.json must hold a JSON object.")
+        if "speculators_model_type" in d:
+            d = from_speculators(d)
         args: Dict[str, Any] = {}
         for name, kind in {**_REQUIRED, **_OPTIONAL}.items():
             if name not in d or (d[name] is None and name not in _REQUIRED):
@@ -266,7 +268,7 @@ class DFlashConfig:
 
     def to_dict(self) -> Dict[str, Any]:
         """The config.json of this draft, in the published z-lab layout."""
-        d = dict(self.extra)
+        d = {k: v for k, v in self.extra.items() if k != "speculators_model_type"}
         d.update(
             architectures=["DFlashDraftModel"],
             model_type=d.get("model_type", "qwen3"),
@@ -300,6 +302,64 @@ class DFlashConfig:
             d["architectures"], d["is_causal"] = [DFLASH2], False
             d["dflash_config"].update(asdict(self.dflash2), block_size=self.block_size)
         return d
+
+
+SPECULATORS_LAYER = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "attention_bias", "layer_types", "sliding_window", "dtype", "torch_dtype",
+)
+
+
+def from_speculators(d: Dict[str, Any]) -> Dict[str, Any]:
+    """The z-lab form of a speculators-format DFlash config (vllm-project/speculators:
+    the layer shape under ``transformer_layer_config``, target layers as
+    ``aux_hidden_state_layer_ids`` counted with the embedding output as 0, a
+    draft vocabulary whose d2t/t2d maps sit in the weights)."""
+    kind = d["speculators_model_type"]
+    if kind != "dflash":
+        raise DraftConfigError(
+            f"config.json is a speculators '{kind}' checkpoint; dflash_mlx runs only speculators 'dflash' drafts."
+        )
+    tl = d.get("transformer_layer_config")
+    if not isinstance(tl, dict):
+        raise DraftConfigError("config.json: a speculators DFlash draft needs a 'transformer_layer_config' object.")
+    ids, mask = d.get("aux_hidden_state_layer_ids"), d.get("mask_token_id")
+    if mask is None:
+        raise DraftConfigError("config.json: this speculators DFlash draft has no mask_token_id; it cannot draft.")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise DraftConfigError(
+            "config.json: a speculators DFlash draft needs aux_hidden_state_layer_ids, a list of layer numbers."
+        )
+    if min(ids) < 1:
+        raise DraftConfigError(
+            "config.json: aux_hidden_state_layer_ids counts the embedding output as 0, and this draft reads it; "
+            "dflash_mlx taps decoder layer outputs only (ids from 1)."
+        )
+    for key, ok, what in [
+        ("projector_type", "dflash", "its projector"),
+        ("sample_from_anchor", False, "drafting at the anchor position"),
+    ]:
+        if d.get(key, ok) != ok:
+            raise DraftConfigError(f"config.json: {key} = {d[key]!r} ({what}) is not supported; dflash_mlx runs {key} {ok!r}.")
+    out = {k: tl[k] for k in SPECULATORS_LAYER if tl.get(k) is not None}
+    for k in ("layer_types", "sliding_window"):  # some exports keep these at the top
+        if k not in out and d.get(k) is not None:
+            out[k] = d[k]
+    if "sliding_attention" in (out.get("layer_types") or []) and not d.get("sliding_window_non_causal", False):
+        raise DraftConfigError(
+            "config.json: this speculators draft's sliding layers are causal inside the block "
+            "(sliding_window_non_causal false), which dflash_mlx does not implement."
+        )
+    hidden = d.get("target_hidden_size")
+    if hidden is not None and hidden != out.get("hidden_size"):
+        raise DraftConfigError(
+            f"config.json: target_hidden_size {hidden} differs from the draft's hidden_size "
+            f"{out.get('hidden_size')}; dflash_mlx needs them equal."
+        )
+    extra = {k: v for k, v in d.items() if k not in ("transformer_layer_config", "aux_hidden_state_layer_ids")}
+    return {**extra, **out, "block_size": d.get("block_size", 8),
+            "dflash_config": {"mask_token_id": mask, "target_layer_ids": [i - 1 for i in ids]}}
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

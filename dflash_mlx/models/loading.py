@@ -9,6 +9,7 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import distributed
@@ -233,6 +234,8 @@ def load_draft(
             raise DraftWeightsError(
                 f"{f} is not a readable safetensors file ({e}); download it again."
             ) from None
+    if "speculators_model_type" in config.extra:
+        _speculators_vocab(config, weights, path)
     if stored is not None:
         # The quantized structure first, so names and shapes can be checked.
         gs, b = stored["group_size"], stored["bits"]
@@ -286,6 +289,35 @@ def load_draft(
     mx.eval(draft.parameters())
     draft.eval()
     return draft
+
+
+def _speculators_vocab(config: DFlashConfig, weights: dict, path: Path) -> None:
+    """Read a speculators draft's vocabulary maps out of its weights into
+    ``config.draft_vocab``: t2d marks the target ids the draft proposes from,
+    d2t holds each draft id's offset to its target id (target = draft + d2t).
+    Its lm_head (a frozen copy of those rows of the target's head), and the
+    target's embedding or final norm where an export kept them, are the
+    target's own: the draft reads them from the target."""
+    for k in ("lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "embed_tokens.weight"):
+        weights.pop(k, None)
+    d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
+    V, n = config.vocab_size, config.extra.get("draft_vocab_size", config.vocab_size)
+    if n == V and d2t is None and t2d is None:
+        return
+    if d2t is None or t2d is None:
+        raise DraftWeightsError(
+            f"The speculators draft in {path} has a {n}-token vocabulary but its weights lack "
+            f"{'d2t' if d2t is None else 't2d'}; the maps to the target's vocabulary are needed."
+        )
+    ids = np.flatnonzero(np.array(t2d.astype(mx.bool_))) if t2d.shape == (V,) else None
+    if ids is None or ids.size != n or d2t.shape != (n,):
+        raise DraftWeightsError(
+            f"The speculators draft in {path} has t2d {tuple(t2d.shape)} and d2t {tuple(d2t.shape)}; "
+            f"draft_vocab_size {n} and vocab_size {V} need t2d ({V},) with {n} set and d2t ({n},)."
+        )
+    if not np.array_equal(np.arange(n) + np.array(d2t.astype(mx.int64)), ids):
+        raise DraftWeightsError(f"The speculators draft in {path} has d2t and t2d that disagree.")
+    config.draft_vocab = ids.tolist()
 
 
 _BITS = (2, 3, 4, 5, 6, 8)
@@ -363,7 +395,7 @@ def check_compatible(draft: DFlashDraft, model: nn.Module) -> None:
             f"Draft mask_token_id {cfg.mask_token_id} is outside the target's "
             f"embedding table ({target.vocab_rows} rows)."
         )
-    if cfg.num_target_layers != target.num_layers:
+    if cfg.num_target_layers != target.num_layers and "speculators_model_type" not in cfg.extra:
         warnings.warn(
             f"Draft was trained for a {cfg.num_target_layers}-layer target; this "
             f"target has {target.num_layers}. Output stays exact, acceptance may drop.",

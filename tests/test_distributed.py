@@ -27,12 +27,10 @@ WORKER = textwrap.dedent(
     from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.models import distributed
 
-    spec = json.loads(sys.argv[1])
     group = distributed.group()
     rank = distributed.rank()
-    out = {"rank": rank, "size": group.size() if group else 1}
     import ctypes
-    out["blas_threads"] = ctypes.CDLL(None).openblas_get_num_threads()
+    blas_threads = ctypes.CDLL(None).openblas_get_num_threads()
 
     counts = {}
     def counting(name, fn):
@@ -45,50 +43,61 @@ WORKER = textwrap.dedent(
     for name in ("all_sum", "all_gather", "send", "recv_like"):
         setattr(mx.distributed, name, counting(name, getattr(mx.distributed, name)))
 
-    def measured(key, gen):
-        counts.clear()
-        tokens = gen()
-        out[key] = tokens
-        out[key + "_collectives"] = {k: v[:] for k, v in counts.items()}
 
-    model, tok = load(spec["target"])
-    right = load_draft(spec["right"])  # always right on the "class A:" prompt
-    draft = load_draft(spec["draft"])  # random weights: rarely right
-    n = spec.get("max_tokens", 24)
+    def run(spec):
+        out = {"rank": rank, "size": group.size() if group else 1, "blas_threads": blas_threads}
 
-    def dflash(prompt, d, **kw):
-        ids = []
-        for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
-            ids += r.tokens
-            if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
-                if os.environ.get("HANG"):  # alive, but no longer taking part
-                    time.sleep(float(os.environ["HANG"]))
-                os._exit(0)
-        return ids
+        def measured(key, gen):
+            counts.clear()
+            tokens = gen()
+            out[key] = tokens
+            out[key + "_collectives"] = {k: v[:] for k, v in counts.items()}
 
-    def plain(prompt):
-        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
+        model, tok = load(spec["target"])
+        right = load_draft(spec["right"])  # always right on the "class A:" prompt
+        draft = load_draft(spec["draft"])  # random weights: rarely right
+        n = spec.get("max_tokens", 16)
 
-    try:
-        measured("dflash", lambda: dflash("def f(x):", draft, block_size=4))
-        if spec.get("die"):
-            out["finished"] = True
-        else:
-            measured("plain", lambda: plain("def f(x):"))
-            measured("right", lambda: dflash("class A:\\n", right, block_size=16))
-            measured("right_plain", lambda: plain("class A:\\n"))
-            out["auto"] = dflash("class A:\\n", right)
-            out["seeded"] = dflash("def f(x):", right, temperature=1.0, seed=7, block_size=4)
-            out["unseeded"] = dflash("def f(x):", right, temperature=1.0, block_size=4)
-            try:
-                load(spec["target"], pipeline=True)
-                out["pipeline"] = "loaded"
-            except Exception as e:
-                out["pipeline"] = f"{type(e).__name__}: {e}"
-    except Exception as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-    with open(spec["out"] + f".{rank}.json", "w") as f:
-        json.dump(out, f)
+        def dflash(prompt, d, **kw):
+            ids = []
+            for r in stream_generate(model, d, tok, prompt, max_tokens=n, **kw):
+                ids += r.tokens
+                if os.environ.get("DIE_AFTER") and rank == 1 and len(ids) >= int(os.environ["DIE_AFTER"]):
+                    if os.environ.get("HANG"):  # alive, but no longer taking part
+                        time.sleep(float(os.environ["HANG"]))
+                    os._exit(0)
+            return ids
+
+        def plain(prompt):
+            return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=n)]
+
+        try:
+            measured("dflash", lambda: dflash("def f(x):", draft, block_size=4))
+            if spec.get("die"):
+                out["finished"] = True
+            else:
+                measured("plain", lambda: plain("def f(x):"))
+                measured("right", lambda: dflash("class A:\\n", right, block_size=16))
+                measured("right_plain", lambda: plain("class A:\\n"))
+                out["auto"] = dflash("class A:\\n", right)
+                out["seeded"] = dflash("def f(x):", right, temperature=1.0, seed=7, block_size=4)
+                out["unseeded"] = dflash("def f(x):", right, temperature=1.0, block_size=4)
+                try:
+                    load(spec["target"], pipeline=True)
+                    out["pipeline"] = "loaded"
+                except Exception as e:
+                    out["pipeline"] = f"{type(e).__name__}: {e}"
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        with open(spec["out"] + f".{rank}.json", "w") as f:
+            json.dump(out, f)
+
+
+    # One spec, or a list of them run one after the other in one launch (one
+    # start of the two ranks for several targets).
+    specs = json.loads(sys.argv[1])
+    for spec in specs if isinstance(specs, list) else [specs]:
+        run(spec)
     """
 )
 
@@ -99,25 +108,26 @@ PIPELINE = textwrap.dedent(
     from dflash_mlx import load, load_draft, stream_generate
     from dflash_mlx.models import distributed
 
-    target, draft, right, out = sys.argv[1:]
-    model, tok = load(target, pipeline=True)
+    # [[target, draft, right, out], ...]: targets one after the other in one launch.
+    for target, draft, right, out in json.loads(sys.argv[1]):
+        model, tok = load(target, pipeline=True)
 
-    def plain(prompt):
-        return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=16)]
+        def plain(prompt):
+            return [r.token for r in mlx_lm.stream_generate(model, tok, prompt, max_tokens=16)]
 
-    def ours(prompt, d, **kw):
-        return [t for r in stream_generate(model, d, tok, prompt, max_tokens=16, **kw) for t in r.tokens]
+        def ours(prompt, d, **kw):
+            return [t for r in stream_generate(model, d, tok, prompt, max_tokens=16, **kw) for t in r.tokens]
 
-    res = {"plain": plain("def f(x):"), "right_plain": plain("class A:\\n")}
-    res["none"] = ours("def f(x):", None)
-    res["random4"] = ours("def f(x):", load_draft(draft), block_size=4)
-    res["right16"] = ours("class A:\\n", load_draft(right), block_size=16)
-    res["auto"] = ours("class A:\\n", load_draft(right))
-    res["right16_sizes"] = [len(r.tokens) for r in stream_generate(
-        model, load_draft(right), tok, "class A:\\n", max_tokens=16, block_size=16)]
-    res["seeded"] = ours("def f(x):", load_draft(right), temperature=1.0, seed=3, block_size=4)
-    with open(f"{out}.{distributed.rank()}.json", "w") as f:
-        json.dump(res, f)
+        res = {"plain": plain("def f(x):"), "right_plain": plain("class A:\\n")}
+        res["none"] = ours("def f(x):", None)
+        res["random4"] = ours("def f(x):", load_draft(draft), block_size=4)
+        res["right16"] = ours("class A:\\n", load_draft(right), block_size=16)
+        res["auto"] = ours("class A:\\n", load_draft(right))
+        res["right16_sizes"] = [len(r.tokens) for r in stream_generate(
+            model, load_draft(right), tok, "class A:\\n", max_tokens=16, block_size=16)]
+        res["seeded"] = ours("def f(x):", load_draft(right), temperature=1.0, seed=3, block_size=4)
+        with open(f"{out}.{distributed.rank()}.json", "w") as f:
+            json.dump(res, f)
     """
 )
 
@@ -190,24 +200,33 @@ def right_draft(arch, loaded, tmp_path):
     return str(make_draft(tmp_path / "right", folder, mask_token_id=first, echo=True))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_sharded_dflash_matches_plain_on_both_ranks(arch, worker, tmp_path, target_folder, loaded):
-    target = target_folder(arch, tied=True)
-    p, (r0, r1) = run_worker(worker, tmp_path, target, right=right_draft(arch, loaded, tmp_path))
-    assert r0 and r1, p.stderr[-2000:]
-    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    assert (r0["size"], r1["size"]) == (2, 2)
-    # Two ranks on this machine share its cores (no OPENBLAS_NUM_THREADS set).
-    assert r0["blas_threads"] == r1["blas_threads"] == max(1, os.cpu_count() // 2)
-    for key in ("dflash", "plain", "right", "right_plain", "auto", "seeded", "unseeded"):
-        assert r0[key] == r1[key], key
-    assert r0["dflash"] == r0["plain"] and len(r0["plain"]) == 24
-    assert r0["right"] == r0["right_plain"] == r0["auto"]
-    assert r0["pipeline"].startswith("UnsupportedModelError"), r0["pipeline"]
-    calls = {k: r0[k + "_collectives"]["all_sum"] for k in ("plain", "dflash", "right_plain", "right")}
-    # Accepted drafts: fewer target forwards, so fewer (larger) collectives.
-    assert calls["right"][0] < calls["right_plain"][0], calls
-    print(f"\n{arch}: all_sum [calls, bytes] per 24 tokens: {calls}")
+def test_sharded_dflash_matches_plain_on_both_ranks(worker, tmp_path, target_folder, loaded):
+    """qwen3 and llama, one after the other in one launch (one start of the
+    two ranks, ~13 s of Python and MLX imports here, for both targets)."""
+    specs = []
+    for arch in ("qwen3", "llama"):
+        d = tmp_path / arch
+        target = target_folder(arch, tied=True)
+        specs.append(dict(target=str(target), out=str(d / "out"), draft=str(make_draft(d / "draft", target)),
+                          right=right_draft(arch, loaded, d)))
+    p = launch([str(worker), json.dumps(specs)], timeout=240)
+    for arch, spec in zip(("qwen3", "llama"), specs):
+        files = [Path(f"{spec['out']}.{r}.json") for r in (0, 1)]
+        r0, r1 = (json.loads(f.read_text()) if f.exists() else None for f in files)
+        assert r0 and r1, (arch, p.stderr[-2000:])
+        assert "error" not in r0 and "error" not in r1, (arch, r0.get("error"), r1.get("error"))
+        assert (r0["size"], r1["size"]) == (2, 2)
+        # Two ranks on this machine share its cores (no OPENBLAS_NUM_THREADS set).
+        assert r0["blas_threads"] == r1["blas_threads"] == max(1, os.cpu_count() // 2)
+        for key in ("dflash", "plain", "right", "right_plain", "auto", "seeded", "unseeded"):
+            assert r0[key] == r1[key], (arch, key)
+        assert r0["dflash"] == r0["plain"] and len(r0["plain"]) == 16, arch
+        assert r0["right"] == r0["right_plain"] == r0["auto"], arch
+        assert r0["pipeline"].startswith("UnsupportedModelError"), (arch, r0["pipeline"])
+        calls = {k: r0[k + "_collectives"]["all_sum"] for k in ("plain", "dflash", "right_plain", "right")}
+        # Accepted drafts: fewer target forwards, so fewer (larger) collectives.
+        assert calls["right"][0] < calls["right_plain"][0], (arch, calls)
+        print(f"\n{arch}: all_sum [calls, bytes] per 16 tokens: {calls}")
 
 
 def test_dead_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):
@@ -224,7 +243,7 @@ def test_stuck_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_f
     for ever; the watchdog ends it with one clear line and exit code 1."""
     target = target_folder("qwen3", tied=True)
     draft = str(make_draft(tmp_path / "right", target, echo=True))
-    env = {"DIE_AFTER": "5", "HANG": "12", "DFLASH_MLX_COLLECTIVE_TIMEOUT": "3"}
+    env = {"DIE_AFTER": "5", "HANG": "8", "DFLASH_MLX_COLLECTIVE_TIMEOUT": "3"}
     p, (r0, r1) = run_worker(worker, tmp_path, target, env=env, die=True, right=draft)
     assert r0 is None and r1 is None  # neither finished
     assert "the other ranks did not answer for 3 s" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
@@ -252,28 +271,34 @@ def test_uneven_tensor_split_is_refused_clearly(tmp_path):
     assert "cannot be split evenly over 2 ranks" in p.stderr and "num_key_value_heads = 1" in p.stderr, p.stderr
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
-def test_dflash_on_a_pipeline_sharded_target(arch, tmp_path, target_folder, loaded):
+def test_dflash_on_a_pipeline_sharded_target(tmp_path, target_folder, loaded):
     """Qwen3-Next and Qwen3.5 shard as a pipeline only (each rank runs half the
     layers, gated-DeltaNet caches included): the tapped features are summed
     over the ranks, and DFlash stays token-identical to plain decoding on both
-    ranks, with drafts rejected (random draft) and accepted (echo draft)."""
-    target = target_folder(arch, tied=True)
-    draft = make_draft(tmp_path / "draft", target)
+    ranks, with drafts rejected (random draft) and accepted (echo draft).
+    Both targets run one after the other in one launch."""
+    jobs = []
+    for arch in ("qwen3_next", "qwen3_5"):
+        d = tmp_path / arch
+        target = target_folder(arch, tied=True)
+        jobs.append([str(target), str(make_draft(d / "draft", target)), right_draft(arch, loaded, d), str(d / "out")])
     script = tmp_path / "pipeline.py"
     script.write_text(PIPELINE)
-    p = launch([str(script), str(target), str(draft), right_draft(arch, loaded, tmp_path), str(tmp_path / "out")])
-    assert (tmp_path / "out.1.json").exists() and (tmp_path / "out.0.json").exists(), p.stderr[-2000:]
-    r0, r1 = (json.loads(Path(tmp_path / f"out.{r}.json").read_text()) for r in (0, 1))
-    assert r0 == r1
-    assert r0["plain"] == r0["none"] == r0["random4"] and len(r0["plain"]) == 16
-    assert r0["right_plain"] == r0["right16"] == r0["auto"]
-    assert max(r0["right16_sizes"]) > 1  # drafts were accepted: rollback ran on both halves
-    if arch == "qwen3_next":  # the CLI's --pipeline, end to end
-        p = launch(["-m", "dflash_mlx.generate", "--model", str(target), "--draft", str(draft), "--pipeline",
-                    "--prompt", "hi", "--max-tokens", "12", "--block-size", "4", "--compare"])
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert p.stdout.count("Identical output: yes") == 1, p.stdout
+    p = launch([str(script), json.dumps(jobs)], timeout=240)
+    for arch, (_, _, _, out) in zip(("qwen3_next", "qwen3_5"), jobs):
+        files = [Path(f"{out}.{r}.json") for r in (0, 1)]
+        assert all(f.exists() for f in files), (arch, p.stderr[-2000:])
+        r0, r1 = (json.loads(f.read_text()) for f in files)
+        assert r0 == r1, arch
+        assert r0["plain"] == r0["none"] == r0["random4"] and len(r0["plain"]) == 16, arch
+        assert r0["right_plain"] == r0["right16"] == r0["auto"], arch
+        assert max(r0["right16_sizes"]) > 1, arch  # drafts were accepted: rollback ran on both halves
+    # The CLI's --pipeline, end to end (Qwen3-Next).
+    target, draft = jobs[0][:2]
+    p = launch(["-m", "dflash_mlx.generate", "--model", target, "--draft", draft, "--pipeline",
+                "--prompt", "hi", "--max-tokens", "12", "--block-size", "4", "--compare"])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.count("Identical output: yes") == 1, p.stdout
 
 
 def test_server_on_two_ranks(tmp_path, target_folder):

@@ -42,13 +42,14 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def target_folder(tiny_dir):
-    """target_folder(arch, tied=False) -> a saved tiny target folder."""
+    """target_folder(arch, tied=False, layers=6) -> a saved tiny target folder."""
     made = {}
 
-    def get(arch: str, tied: bool = False) -> Path:
-        key = (arch, tied)
+    def get(arch: str, tied: bool = False, layers: int = 6) -> Path:
+        key = (arch, tied, layers)
         if key not in made:
-            made[key] = make_target(tiny_dir / f"{arch}{'_tied' if tied else ''}", arch, tied=tied)
+            name = f"{arch}{'_tied' if tied else ''}{'' if layers == 6 else f'_{layers}l'}"
+            made[key] = make_target(tiny_dir / name, arch, tied=tied, layers=layers)
         return made[key]
 
     return get
@@ -56,15 +57,15 @@ def target_folder(tiny_dir):
 
 @pytest.fixture(scope="session")
 def loaded(target_folder):
-    """loaded(arch, tied=False) -> (model, tokenizer, folder), loaded once."""
+    """loaded(arch, tied=False, layers=6) -> (model, tokenizer, folder), loaded once."""
     from dflash_mlx import load
 
     cache = {}
 
-    def get(arch: str, tied: bool = False):
-        key = (arch, tied)
+    def get(arch: str, tied: bool = False, layers: int = 6):
+        key = (arch, tied, layers)
         if key not in cache:
-            folder = target_folder(arch, tied)
+            folder = target_folder(arch, tied, layers)
             cache[key] = (*load(str(folder)), folder)
         return cache[key]
 

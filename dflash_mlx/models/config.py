@@ -202,6 +202,11 @@ class DFlashConfig:
         if rp is not None:
             if not isinstance(rp, dict):
                 raise DraftConfigError("config.json: 'rope_parameters' must be an object.")
+            if any(isinstance(v, dict) for v in rp.values()):
+                raise DraftConfigError(
+                    "config.json: rope_parameters per layer type (e.g. full_attention / sliding_attention) "
+                    "are not supported in drafts; give one rope_parameters object."
+                )
             if rp.get("rope_theta") is not None:
                 theta = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
                 if args.get("rope_theta", theta) != theta:
@@ -212,6 +217,14 @@ class DFlashConfig:
                 args["rope_theta"] = theta
             if rs is None and _rope_type(rp) != "default":
                 rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+        for src in (d, rp or {}, rs or {}):
+            if src.get("partial_rotary_factor", 1.0) != 1.0:
+                raise DraftConfigError(
+                    f"config.json: partial_rotary_factor {src['partial_rotary_factor']} is not supported "
+                    "in drafts (their rope covers the whole head)."
+                )
+        if d.get("hidden_act", "silu") != "silu":
+            raise DraftConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported; DFlash drafts use silu.")
         if rs is not None:
             kind = _rope_type(rs)
             if kind not in ROPE_TYPES:

@@ -36,6 +36,7 @@ def modelled(monkeypatch):
     monkeypatch.setattr(Target, "forward", timed_forward)
     monkeypatch.setattr(DFlashDraft, "propose", timed_propose)
     monkeypatch.setattr(pol, "clock", lambda: now[0])
+    return now
 
 
 def auto_run(model, draft, tok, prompt, **kw):
@@ -79,17 +80,25 @@ def test_auto_is_lossless(arch, loaded, draft_for):
 
 def test_useless_draft_takes_plain_steps(modelled, loaded, draft_for):
     """Random draft weights: after the first failed rounds, plain steps, with
-    drafting rounds at growing intervals."""
+    a drafting round now and then, and what those lose stays within the
+    policy's budget of the time."""
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)
     prompt = PROMPTS[0]
-    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
-    assert out == mlx_tokens(model, tok, prompt, 100)
-    drafting = [i for i, r in enumerate(rounds) if r[2]]
-    assert len(rounds) > 80 and sum(not d for _, _, d in rounds) >= 0.85 * len(rounds), rounds
-    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
-    assert gaps[-3:] == sorted(gaps[-3:]) and gaps[-1] >= 16, drafting
+    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=200)
+    assert out == mlx_tokens(model, tok, prompt, 200)
     assert all(v == 1 for v, _, d in rounds if not d)
+    drafting = [i for i, r in enumerate(rounds) if r[2]]
+    assert drafting[:2] == [0, 1] and len(drafting) >= 5, drafting  # the full block is timed first
+    gaps = [b - a for a, b in zip(drafting[2:], drafting[3:])]
+    assert min(gaps) >= 10, drafting
+    # A plain step costs 1 unit (the modelled clock), so the generation's
+    # time after the prefill over its plain steps' is the loss: the two first
+    # full blocks (3 units each, a token each), then the budget's share and
+    # the one probe that may go over it (a round of 2: 1.6 units).
+    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    loss = modelled[0] - prefill - sum(a for _, a, _ in rounds)
+    assert loss <= 2 * (3.0 - 1) + Policy.of(draft).budget * modelled[0] + 1.6, (loss, modelled)
 
 
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
@@ -130,7 +139,7 @@ def test_draft_that_becomes_right_is_used_again(modelled, loaded, draft_for, tmp
     assert out == ref
     first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)
     assert sum(not d for _, _, d in rounds[:first]) >= 3, rounds
-    assert any(r == (16, 16, True) for r in rounds[first:]), rounds
+    assert max(v for v, _, _ in rounds[first:]) >= 8, rounds  # longer rounds as it is found right
     after = [(a, d) for _, a, d in rounds[first:]]
     assert sum(a for a, d in after if d) >= 0.5 * sum(a for a, _ in after), rounds
 
@@ -151,13 +160,14 @@ def test_auto_sampling_is_reproducible(modelled, loaded, draft_for):
 def test_auto_sampling_follows_the_target_law(modelled, loaded, draft_for):
     """Three tokens at temperature 1, top-k 3, the echo draft sure of the
     likeliest token: rounds that draft and plain steps, whatever auto
-    chooses, draw the target's law. The seeds are fixed, so the distance is too."""
-    model, tok, folder = loaded("qwen3", tied=True)
+    chooses, draw the target's law. The seeds are fixed, so the distance is too.
+    The 2-layer target of test_sampling's law tests (half the time a draw)."""
+    model, tok, folder = loaded("qwen3", tied=True, layers=2)
     prompt = tok.encode("import os\n")
     law = target_law(model, prompt)
     draft = draft_for(folder, mask_token_id=max(law, key=law.get)[1], echo=True)
-    # 600 draws: a correct law's TV distance is 0.074 +- 0.012 (see
-    # test_sampling: 27 outcomes), over 0.1 with probability ~2%; fewer
+    # 600 draws: a correct law's TV distance is 0.068 +- 0.012 (see
+    # test_sampling: 27 outcomes), over 0.1 with probability ~1%; fewer
     # draws would need a looser bound.
     counts, verified, draws = {}, set(), 600
     for seed in range(draws):
@@ -177,6 +187,7 @@ def test_block_size_arguments(loaded, draft_for):
             next(stream_generate(model, draft, tok, "import os\n", block_size=bad))
     ref = mlx_tokens(model, tok, "import os\n", 20)
     for bs in (None, "auto"):
+        Policy.forget(draft)  # each starts afresh, trying the full block first
         out, _, rounds = auto_run(model, draft, tok, "import os\n", block_size=bs, max_tokens=20)
         assert out == ref and {d for _, _, d in rounds} == {True, False}
     # An integer block size drafts and verifies that many every round.
@@ -247,7 +258,7 @@ def test_backoff_carries_over_to_the_next_generation(modelled, loaded, draft_for
     assert first[0] == second[0] == ref
     drafting = [sum(d for _, _, d in r[2]) for r in (first, second)]
     assert drafting[1] < drafting[0], drafting
-    assert first[2][0][2] and Policy.of(draft).wait > 0
+    assert first[2][0][2] and Policy.of(draft).lost > 0
     fresh = auto_run(model, draft_for(folder), tok, prompt, max_tokens=40)
     assert fresh[2][0] == (16, 1, True)  # the full block first, as the first draft did
 
@@ -299,26 +310,29 @@ def test_a_round_tells_what_shorter_ones_would_have_accepted():
     assert p.tokens(2) == pytest.approx(2.0, abs=0.05) and p.tokens(8) == pytest.approx(3.0, abs=0.1)
 
 
-def test_plain_steps_win_with_drafting_rounds_backing_off():
+def test_probes_lose_at_most_the_budget():
+    """Plain steps win (4 ms against 6 ms for a round of 2 that accepts
+    nothing): the best drafting round still runs now and then, losing about
+    the budget's share of the time; once such rounds gain, drafting wins."""
     p = Policy(16)
     for n in (16, 16, 1, 1, 2, 2):
         timed(p, n, 0.004 if n == 1 else 0.006 if n == 2 else 0.010, 0)
-    kinds = []
-    for _ in range(300):
+    kinds, total, lost = [], 0.0, 0.0
+    for _ in range(2000):
         n = p.choose()
         kinds.append(n)
-        timed(p, n, 0.004 if n == 1 else 0.006, 0)
-    drafting = [i for i, n in enumerate(kinds) if n > 1]
-    gaps = [b - a for a, b in zip(drafting, drafting[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == p.max_wait + 1 and len(drafting) <= 9, gaps
-    assert {kinds[i] for i in drafting} == {2}  # the best drafting round: the cheapest
-    probes, waits = 0, []
-    while p.wait:  # the draft turns right: each probe that gains halves the wait
+        seconds = 0.004 if n == 1 else 0.006
+        timed(p, n, seconds, 0)
+        total += seconds
+        lost += seconds - 0.004
+    assert {n for n in kinds if n > 1} == {2}  # the best drafting round: the cheapest
+    assert 0.5 * p.budget * total <= lost <= 1.1 * p.budget * total, (lost, total)
+    probes = 0
+    while p.choose() == 1 or probes == 0:  # the draft turns right
         n = p.choose()
         timed(p, n, 0.004 if n == 1 else 0.006, n - 1)
         probes += n > 1
-        waits += [p.wait] if n > 1 else []
-    assert waits[:-1] == [64, 32, 16, 8, 4][: len(waits) - 1] and probes <= 6 and p.choose() > 1, waits
+    assert probes <= 3 and p.choose() > 1
 
 
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():

@@ -203,8 +203,8 @@ class Batch:
         if self.policy is not None:
             if accepted:
                 self.policy.learn(length, accepted)
-            if kind == self._last:
-                self.policy.time(length, now - self._tick, width)
+            if self._last is not None:  # a switch: counted against the budget only
+                self.policy.time(length, now - self._tick, width, book=kind == self._last)
             self.policy.took(length, width)
         self._tick, self._last = now, kind
 

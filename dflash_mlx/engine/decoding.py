@@ -564,29 +564,33 @@ class _Decoder:
         Plain steps are timed by the stretch, from the end of the round before
         the first to the end of the last, over their number: a pipelined
         step's work lands in the round that queued it. A drafting round is
-        timed from the end of the last one; not after plain steps (it reads
-        their features). Under mlx.launch, rank 0's times, a round late."""
+        timed from the end of the last one; after plain steps only against
+        the policy's budget (it reads their features too). Under mlx.launch,
+        rank 0's times, a round late."""
         now, drafted = _policy.clock(), length > 1
         if self.policy is not None:
             if drafted:
                 self.policy.learn(length, [accepted])
                 if self._run:
                     self._time(1, (self._tick - self._start) / self._run, self._run)
-                if self._last and self.rounds:
-                    self._time(length, now - self._tick, 1)
+                if self.rounds:  # after plain steps it also reads their features
+                    self._time(length, now - self._tick, 1, book=bool(self._last))
                 self._run = 0
             else:
                 self._start = self._start if self._run else self._tick
                 self._run += 1
+                if self._run >= 3 and not self.policy.timed(1):  # no need to wait for a drafting round
+                    self._time(1, (now - self._start) / self._run, self._run)
+                    self._run = 0
             if took:
                 self.policy.took(length)
         self._tick, self._last = now, drafted
 
-    def _time(self, length: int, seconds: float, rounds: int) -> None:
+    def _time(self, length: int, seconds: float, rounds: int, book: bool = True) -> None:
         if group() is None:
-            self.policy.time(length, seconds, rounds=rounds)
-        else:  # sent with the next round's tokens
-            self._lags.append([length, int(seconds * 1e6), rounds])
+            self.policy.time(length, seconds, rounds=rounds, book=book)
+        else:  # sent with the next round's tokens (a round not booked: its length negated)
+            self._lags.append([length if book else -length, int(seconds * 1e6), rounds])
 
     def _agree(self, values: mx.array, block: mx.array) -> List[int]:
         """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch
@@ -599,7 +603,7 @@ class _Decoder:
         out = agree(mx.concatenate([values, mx.array(sum(lags, []), mx.int32)]), block).tolist()
         for length, us, rounds in zip(out[-6::3], out[-5::3], out[-4::3]):
             if rounds:
-                self.policy.time(length, us / 1e6, rounds=rounds)
+                self.policy.time(abs(length), us / 1e6, rounds=rounds, book=length > 0)
         return out[:-6]
 
     def _step(self, token: mx.array, pos: int):

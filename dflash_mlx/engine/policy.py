@@ -16,9 +16,11 @@ tokens per second of the loop's own wall clock:
   chance of acceptance, given the ones before it, is a decaying count per
   depth; a depth seen little leans on the depth before it.
 
-While plain steps win, a drafting round still runs after 1, 2, 4, ... of
-them (at most ``max_wait``; half as many when one had a draft accepted),
-so a draft that starts to help is found again.
+While plain steps win, the best drafting round still runs now and then, so
+that a draft that starts to help is found again, but only while what such
+rounds lost against plain steps stays within ``budget`` of the loop's recent
+time: a useless draft costs at most that share (after its first rounds),
+on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -43,8 +45,9 @@ class Policy:
         memory: Decay per drafting round of the acceptance counts.
         decay: Decay per round of a length's timing.
         prior: Pseudo-trials behind each depth's starting guess.
-        max_wait: The most plain steps between drafting rounds while plain
-            steps win.
+        budget: The share of the time (over about the last ``window``
+            rounds) that drafting rounds may lose against plain steps while
+            plain steps win.
         refresh: Drafting rounds after which the plain step is timed again:
             the lengths are compared by times taken at about the same
             time, whatever else the machine does meanwhile.
@@ -54,15 +57,18 @@ class Policy:
     memory: float = 0.95
     decay: float = 0.95
     prior: float = 1.0
-    max_wait: int = 128
+    budget: float = 0.02
+    window: int = 256
     refresh: int = 64
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
-    wait: int = field(init=False, default=0)  # plain steps between drafting rounds
-    skip: int = field(init=False, default=0)  # plain steps to take before drafting again
-    hit: bool = field(init=False, default=False)  # the last drafting round had a draft accepted
+    skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
+    spent: float = field(init=False, default=0.0)  # decaying seconds of all timed rounds
+    lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
+    made: float = field(init=False, default=1.0)  # tokens a row committed in the last drafting round
+    untimed: int = field(init=False, default=0)  # plain steps taken, not timed yet
     since: Dict[int, int] = field(init=False, default_factory=dict)  # drafting rounds timed since a plain step
 
     def __post_init__(self):
@@ -118,13 +124,16 @@ class Policy:
 
     def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
         """The next round's length: :meth:`best`, plain steps while ``skip``
-        says so, and while plain steps win, the best drafting round after
-        ``wait`` of them."""
+        says so, and while plain steps win, the best drafting round (a probe)
+        when probes have lost less than ``budget`` of the time."""
         limit = limit or self.block_size
         if self.skip > 0 or limit < 2:
             return 1
         best = self.best(limit, width)
-        return best if best > 1 else self.best(limit, width, least=2)
+        spent = self.spent + self.untimed * (self.seconds(1, width) or 0.0)
+        if best > 1 or self.lost > self.budget * spent:
+            return best
+        return self.best(limit, width, least=2)
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row and accepted
@@ -132,7 +141,7 @@ class Policy:
         decay = self.memory ** len(accepted)
         self.hits = [h * decay for h in self.hits]
         self.trials = [t * decay for t in self.trials]
-        self.hit = any(accepted)
+        self.made = 1 + sum(accepted) / len(accepted)
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
                 self.hits[i] += i < a
@@ -142,11 +151,23 @@ class Policy:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""
         return self.times.get((width, length), [0, 0])[1] >= TRUST
 
-    def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1) -> None:
-        """``rounds`` rounds of ``length`` on ``width`` rows took ``seconds`` each."""
+    def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1, book: bool = True) -> None:
+        """``rounds`` rounds of ``length`` on ``width`` rows took ``seconds``
+        each (a drafting round: the one :meth:`learn` was told last). Not
+        ``book``: a round timed with more than its own work (the first after
+        a switch), counted only against the budget."""
         s = self.times.setdefault((width, length), [0.0, 0.0])
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])
+        keep = max(1 - rounds / self.window, 0.0)
+        self.lost *= keep
+        self.spent = self.spent * keep + seconds * rounds
+        if length > 1 and self.timed(1, width) and self.best(width=width) == 1:  # a probe
+            self.lost = max(self.lost + seconds - self.made * self.seconds(1, width), 0.0)
+        if length == 1:
+            self.untimed = max(self.untimed - rounds, 0)
+        if not book:
+            return
         for _ in range(rounds):
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1
@@ -156,17 +177,13 @@ class Policy:
             self.since[width] = 0
 
     def took(self, length: int, width: int = 1) -> None:
-        """Count a round of ``length`` (learnt from and timed): plain steps
-        to take before drafting again, to time them, or while they win."""
+        """Count a round of ``length`` (learnt from and timed): once the full
+        block is timed, plain steps until they are timed too."""
         if length == 1:
             self.skip = max(self.skip - 1, 0)
-        elif not self.timed(1, width):
-            if self.timed(self.block_size, width):
-                self.skip = 3
-        elif self.best(width=width) == 1:  # a draft accepted: try again sooner
-            self.wait = self.skip = max(self.wait // 2, 1) if self.hit else min(max(1, 2 * self.wait), self.max_wait)
-        else:
-            self.wait = 0
+            self.untimed += 1
+        elif not self.timed(1, width) and self.timed(self.block_size, width):
+            self.skip = 3
 
     @staticmethod
     def of(draft) -> "Policy":

@@ -43,7 +43,7 @@ def auto_run(model, draft, tok, prompt, **kw):
     """(tokens, text, rounds): each round as (verified, accepted, drafted),
     drafted meaning a draft pass ran."""
     calls, propose = [0], draft.propose
-    draft.propose = lambda *a: calls.__setitem__(0, calls[0] + 1) or propose(*a)
+    draft.propose = lambda *a, **k: calls.__setitem__(0, calls[0] + 1) or propose(*a, **k)
     tokens, text, rounds, seen = [], "", [], 0
     try:
         for r in stream_generate(model, draft, tok, prompt, **{"block_size": "auto", **kw}):

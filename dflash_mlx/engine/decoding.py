@@ -502,7 +502,7 @@ class _Decoder:
         # The draft always fills the block it was trained on: a shorter
         # block (the last rounds, or a smaller block_size) attends to fewer
         # mask positions and guesses worse; only length - 1 drafts are verified.
-        kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
+        kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {"rows": length - 1}
         logits = self.draft.propose(
             anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, self.draft.block_size, **kw
         )[: length - 1]

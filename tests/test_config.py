@@ -100,15 +100,18 @@ def test_sliding_window_layers(loaded, tmp_path):
 
 
 def _reference(draft, x, ctx_feats):
-    """The doc's draft forward, written out: block after all context."""
+    """The doc's draft forward written out, block after all context: a
+    sliding layer's block query at position p sees context positions
+    > p - window and the whole block; a full layer sees everything."""
     cfg = draft.config
     c = draft.hidden_norm(draft.fc(ctx_feats))
     S, L, hd = c.shape[1], x.shape[1], cfg.head_dim
+    qpos, kpos = np.arange(S, S + L), np.arange(S + L)
 
     def rope(t, offset):
         return mx.fast.rope(t, hd, traditional=False, base=cfg.rope_theta, scale=1.0, offset=offset)
 
-    for layer in draft.layers:
+    for i, layer in enumerate(draft.layers):
         at = layer.self_attn
         a = layer.input_layernorm(x)
         q = rope(at.q_norm(at.q_proj(a).reshape(1, L, -1, hd)).transpose(0, 2, 1, 3), S)
@@ -117,8 +120,11 @@ def _reference(draft, x, ctx_feats):
         v = at.v_proj(kv).reshape(1, S + L, -1, hd).transpose(0, 2, 1, 3)
         rep = q.shape[1] // k.shape[1]
         k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-        w = mx.softmax((q @ k.transpose(0, 1, 3, 2)) * hd**-0.5, axis=-1)
-        o = (w @ v).transpose(0, 2, 1, 3).reshape(1, L, -1)
+        s = (q @ k.transpose(0, 1, 3, 2)) * hd**-0.5
+        if cfg.is_sliding(i):
+            ok = (kpos[None] >= S) | (qpos[:, None] - kpos[None] < cfg.sliding_window)
+            s = mx.where(mx.array(ok), s, -mx.inf)
+        o = (mx.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(1, L, -1)
         x = x + at.o_proj(o)
         h = layer.post_attention_layernorm(x)
         x = x + layer.mlp.down_proj(mx.sigmoid(layer.mlp.gate_proj(h)) * layer.mlp.gate_proj(h) * layer.mlp.up_proj(h))

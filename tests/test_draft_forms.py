@@ -12,6 +12,7 @@ import pytest
 
 from dflash_mlx import DraftConfigError, load_draft, stream_generate
 from dflash_mlx.models.config import DFlashConfig
+from test_config import _reference
 from tiny import make_draft
 from util import dflash_tokens, mlx_run, runs
 
@@ -29,37 +30,6 @@ def _nested(flat, folder):
     cfg["dtype"] = cfg.pop("torch_dtype")
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
-
-
-def _reference(draft, x, feats):
-    """The draft forward written out, context then block: a sliding layer's
-    block query at position p sees context positions > p - window and the
-    whole block; a full layer sees everything."""
-    cfg = draft.config
-    c = draft.hidden_norm(draft.fc(feats))
-    S, L, hd = c.shape[1], x.shape[1], cfg.head_dim
-    qpos, kpos = np.arange(S, S + L), np.arange(S + L)
-
-    def rope(t, offset):
-        return mx.fast.rope(t, hd, traditional=False, base=cfg.rope_theta, scale=1.0, offset=offset)
-
-    for i, layer in enumerate(draft.layers):
-        at = layer.self_attn
-        a = layer.input_layernorm(x)
-        q = rope(at.q_norm(at.q_proj(a).reshape(1, L, -1, hd)).transpose(0, 2, 1, 3), S)
-        kv = mx.concatenate([c, a], axis=1)
-        k = rope(at.k_norm(at.k_proj(kv).reshape(1, S + L, -1, hd)).transpose(0, 2, 1, 3), 0)
-        v = at.v_proj(kv).reshape(1, S + L, -1, hd).transpose(0, 2, 1, 3)
-        rep = q.shape[1] // k.shape[1]
-        k, v = mx.repeat(k, rep, axis=1), mx.repeat(v, rep, axis=1)
-        s = (q @ k.transpose(0, 1, 3, 2)) * hd**-0.5
-        if cfg.is_sliding(i):
-            ok = (kpos[None] >= S) | (qpos[:, None] - kpos[None] < cfg.sliding_window)
-            s = mx.where(mx.array(ok), s, -mx.inf)
-        o = (mx.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(1, L, -1)
-        x = x + at.o_proj(o)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return draft.norm(x)
 
 
 def test_mixed_layers_forward_matches_reference(target_folder, tmp_path):

@@ -13,7 +13,8 @@ Stages (``--stages``, comma-separated, run in this order):
 - ``regen``: the target answers each one greedily (``--regen-tokens`` at
   most); answers are kept in the work folder as they finish, so an
   interrupted run loses none and a rerun only makes the missing ones;
-- ``train``: train the draft (``--minutes``) on prompt + answer sequences.
+- ``train``: train the draft (``--minutes``) on prompt + answer sequences
+  (``--train-on corpus``: on the corpus stage's store instead).
   Target features are computed once and kept in the work folder; with
   ``--init DRAFT`` training continues from an earlier draft (a new stage);
 - ``install``: copy the draft into the package (float16 weights);
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     p.add_argument("--init", default=None, help="Continue from this draft (a later stage).")
     p.add_argument("--corpus-files", type=int, default=200, help="Standard-library sources of the corpus stage.")
     p.add_argument("--data-workers", type=int, default=2, help="Processes computing features and labels.")
+    p.add_argument("--train-on", choices=("answers", "corpus"), default="answers",
+                   help="What the train stage (and install) uses: the target's answers to the prompts, or the "
+                        "corpus stage's store (WORK/corpus, the draft saved there too).")
     p.add_argument("--eval-prompts", type=int, default=48)
     p.add_argument("--eval-tokens", type=int, default=192)
     args = p.parse_args(argv)
@@ -140,11 +144,12 @@ def main(argv=None) -> int:
             if args.written:
                 rows += written(work, args, "written" in stages) * args.repeat
             (work / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        on_corpus = [a for a in train_args(work, args) if a != "--regenerate"]
+        on_corpus[on_corpus.index("--data") + 1] = str(work / "corpus.jsonl")
+        on_corpus[on_corpus.index("--out") + 1] = str(work / "corpus")
         if "corpus" in stages:
-            data = corpus(work, args.corpus_files)
-            args_ = [a for a in train_args(work, args) if a != "--regenerate"]
-            args_[args_.index("--data") + 1], args_[args_.index("--out") + 1] = str(data), str(work / "corpus")
-            code = train_main(args_ + ["--prepare-only", "--data-workers", str(args.data_workers)])
+            corpus(work, args.corpus_files)
+            code = train_main(on_corpus + ["--prepare-only", "--data-workers", str(args.data_workers)])
             if code:
                 return code
         if "regen" in stages:
@@ -153,12 +158,14 @@ def main(argv=None) -> int:
                 return code
         if "train" in stages:
             tic = time.perf_counter()
-            code = train_main(train_args(work, args) + ["--minutes", str(args.minutes)])
+            base = on_corpus if args.train_on == "corpus" else train_args(work, args)
+            code = train_main(base + ["--minutes", str(args.minutes)])
             if code:
                 return code
             print(f"train stage: {(time.perf_counter() - tic) / 60:.1f} min", file=sys.stderr)
         if "install" in stages:
-            print(f"installed {DRAFT}: {export_draft(work / 'draft', DRAFT):.1f} MB", file=sys.stderr)
+            src = work / ("corpus" if args.train_on == "corpus" else "draft")
+            print(f"installed {DRAFT}: {export_draft(src, DRAFT):.1f} MB", file=sys.stderr)
         if "eval" in stages:
             tau = evaluate(args.eval_prompts, args.eval_tokens)
             print(f"held-out tau (greedy, {args.eval_prompts} prompts, {args.eval_tokens} tokens): {tau:.2f}")

@@ -253,7 +253,7 @@ def test_generate_cli_prints_on_rank_0_only(tmp_path, target_folder):
     target = target_folder("qwen3", tied=True)
     draft = make_draft(tmp_path / "draft", target, echo=True)
     p = launch(["-m", "dflash_mlx.generate", "--model", str(target), "--draft", str(draft),
-                "--prompt", "hi", "--max-tokens", "16", "--block-size", "4", "--compare"])
+                "--prompt", "hi", "--max-tokens", "16", "--block-size", "4", "--compare", "--compare-runs", "1"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("Generation: 16 tokens") == 1, p.stdout
     assert p.stdout.count("Identical output: yes") == 1, p.stdout
@@ -296,7 +296,7 @@ def test_dflash_on_a_pipeline_sharded_target(tmp_path, target_folder, loaded):
     # The CLI's --pipeline, end to end (Qwen3-Next).
     target, draft = jobs[0][:2]
     p = launch(["-m", "dflash_mlx.generate", "--model", target, "--draft", draft, "--pipeline",
-                "--prompt", "hi", "--max-tokens", "12", "--block-size", "4", "--compare"])
+                "--prompt", "hi", "--max-tokens", "12", "--block-size", "4", "--compare", "--compare-runs", "1"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.count("Identical output: yes") == 1, p.stdout
 
@@ -318,7 +318,7 @@ def test_server_on_two_ranks(tmp_path, target_folder):
         c = openai_client(port)
         kw = dict(model="default", prompt="def f(x):", max_tokens=16, temperature=0)
         a = c.completions.create(**kw)
-        s = c.completions.create(**dict(kw, max_tokens=64, prompt="class A:\n"), stream=True)
+        s = c.completions.create(**dict(kw, max_tokens=32, prompt="class A:\n"), stream=True)
         next(iter(s))
         s.close()  # leaves after the first chunk
         b = c.completions.create(**kw)

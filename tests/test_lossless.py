@@ -135,3 +135,31 @@ def test_draft_rows_are_a_prefix_of_its_block(loaded, draft_for, tmp_path):
             cache = draft.make_cache()
             out.append(draft.propose(ids[-1:], feats, cache, t.embed, t.head, draft.block_size, rows=rows))
         assert out[1].shape[0] == 3 and mx.allclose(out[0][:3], out[1], atol=1e-5).item()
+
+
+@pytest.mark.parametrize("block_size", [1, "auto"])
+def test_plain_steps_recover_from_a_doubted_token(loaded, draft_for, monkeypatch, block_size):
+    """Greedy plain steps take the argmax of the logits (no log-softmax) and
+    queue the next step on it; where the argmax is in doubt they check it
+    against the log-probabilities, and a queued step that followed the wrong
+    token is taken back. Here every fast argmax is wrong and doubted: the
+    output is still mlx-lm's, and the cache holds exactly the tokens."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import dflash_mlx.engine.decoding as decoding
+
+    model, tok, folder = loaded("qwen3")
+    real = decoding.greedy
+
+    def wrong(logits):
+        y, _ = real(logits)
+        return (y + 1) % logits.shape[-1], mx.array(True)
+
+    monkeypatch.setattr(decoding, "greedy", wrong)
+    draft = draft_for(folder) if block_size == "auto" else None
+    cache = make_prompt_cache(model)
+    ids = tok.encode(PROMPTS[0])
+    out, _ = dflash_tokens(model, draft, tok, PROMPTS[0], block_size=block_size, max_tokens=20, prompt_cache=cache)
+    assert out == mlx_tokens(model, tok, PROMPTS[0], 20)
+    assert cache[0].offset == len(ids) + len(out) - 1

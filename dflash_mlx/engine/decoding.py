@@ -424,7 +424,7 @@ class _Decoder:
         # no logits processors (they would need the token on the host).
         self.pipelined = (not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
-        self.ahead = None  # the queued step: (token [1], features, log-probabilities)
+        self.ahead = None  # the queued step: (token [1] or [2], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
         self._tick = None  # when the last round (or the prefill) ended
@@ -542,11 +542,16 @@ class _Decoder:
         if self.policy is not None:
             self.policy.took(1)
         if more and self.length(more) == 1:
-            self.ahead = self._step(y, pos + 1)
+            self.ahead = self._step(y[:1], pos + 1)
             mx.async_eval(self.ahead[0])
+        out = y.tolist()
+        if len(out) > 1:  # greedy: the token and the doubt flag of greedy()
+            token = out[:1] if not out[1] else mx.argmax(self.logprobs, axis=-1).tolist()
+            if token != out[:1]:  # rare: the queued step followed the wrong token
+                self.settle()
+            out = token
         if f is not None:
             self.dstate.extend(f)
-        out = y.tolist()
         self._learn(1, 0, took=False)
         self.rounds += 1
         self.committed += 1
@@ -608,9 +613,14 @@ class _Decoder:
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position
-        ``pos``), the features and the log-probabilities, lazily."""
+        ``pos``), the features and the log-probabilities, lazily. Greedy, the
+        token comes from the logits (no exp over the vocabulary, which mlx-lm's
+        loop pays every step) with greedy()'s doubt flag after it: [2]."""
         logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
         logp = process(logits[-1:], None, None, None)
+        if self.fast and logits.dtype == mx.float32:
+            y, unsure = greedy(logits[-1:])
+            return mx.concatenate([y, unsure.reshape(1)]).astype(token.dtype), f, logp
         y = self.pick(logits[-1:], logp, pos)
         return y.astype(token.dtype), f, logp
 

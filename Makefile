@@ -30,9 +30,12 @@ test: install
 	$(MAKE) --no-print-directory _test
 
 # Two worker processes (pytest-xdist); TEST_WORKERS=0 runs in one process.
+# worksteal: each worker starts on its half of the (slowest-first) order and
+# an idle one takes from the other's queue, so the two-rank launches run one
+# after the other on one worker instead of competing for the two cores.
 TEST_WORKERS ?= 2
 _test:
-	$(RUN) -m pytest -q tests -n $(TEST_WORKERS)
+	$(RUN) -m pytest -q tests -n $(TEST_WORKERS) --dist worksteal
 
 demo: install
 	$(MAKE) --no-print-directory _demo

@@ -7,8 +7,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny import make_draft, make_target  # noqa: E402
 
-# Modules that hold the longest tests run first: with `pytest -n 2` the two
-# workers then share out the long ones instead of one of them finishing alone.
+# Modules that hold the longest tests run first: with `pytest -n 2 --dist
+# worksteal` (make test) the first worker starts on them, the second on the
+# short half, then takes from the first's queue, so neither finishes alone.
 SLOW_FIRST = ["test_distributed", "test_smollm2", "test_long_run", "test_variants", "test_sampling", "test_soak"]
 
 

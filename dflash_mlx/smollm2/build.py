@@ -9,7 +9,8 @@ Stages (``--stages``, comma-separated, run in this order):
 - ``corpus``: text the target did not write becomes data too (exact labels,
   :mod:`..training.labels`): ``--corpus-files`` Python standard-library
   sources, their features and greedy labels computed by ``--data-workers``
-  processes into ``WORK/corpus`` (resumable: a rerun goes on where it stopped);
+  processes into ``WORK/corpus`` (resumable: a rerun goes on where it stopped;
+  with ``--online`` only the text is written, and training computes them);
 - ``regen``: the target answers each one greedily (``--regen-tokens`` at
   most); answers are kept in the work folder as they finish, so an
   interrupted run loses none and a rerun only makes the missing ones;
@@ -128,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--train-on", choices=("answers", "corpus"), default="answers",
                    help="What the train stage (and install) uses: the target's answers to the prompts, or the "
                         "corpus stage's store (WORK/corpus, the draft saved there too).")
+    p.add_argument("--online", action="store_true",
+                   help="With --train-on corpus: compute the target's features and labels at each training step "
+                        "instead of storing them first (no store to keep; the corpus stage only writes its text).")
     p.add_argument("--eval-prompts", type=int, default=48)
     p.add_argument("--eval-tokens", type=int, default=192)
     args = p.parse_args(argv)
@@ -149,9 +153,10 @@ def main(argv=None) -> int:
         on_corpus[on_corpus.index("--out") + 1] = str(work / "corpus")
         if "corpus" in stages:
             corpus(work, args.corpus_files)
-            code = train_main(on_corpus + ["--prepare-only", "--data-workers", str(args.data_workers)])
-            if code:
-                return code
+            if not args.online:
+                code = train_main(on_corpus + ["--prepare-only", "--data-workers", str(args.data_workers)])
+                if code:
+                    return code
         if "regen" in stages:
             code = train_main(train_args(work, args) + ["--prepare-only"])
             if code:
@@ -159,7 +164,8 @@ def main(argv=None) -> int:
         if "train" in stages:
             tic = time.perf_counter()
             base = on_corpus if args.train_on == "corpus" else train_args(work, args)
-            code = train_main(base + ["--minutes", str(args.minutes)])
+            online = ["--no-feature-cache", "--checkpoint-every", "50"] if args.online else []
+            code = train_main(base + online + ["--minutes", str(args.minutes)])
             if code:
                 return code
             print(f"train stage: {(time.perf_counter() - tic) / 60:.1f} min", file=sys.stderr)

@@ -70,17 +70,17 @@ def test_max_tokens_and_eos_edges(loaded, draft_for):
     assert inside and bonus
 
 
-def test_draft_fills_its_trained_block(loaded, draft_for):
-    """Short rounds (a smaller block_size, the last tokens before max_tokens)
-    verify a prefix of the draft's full trained block: with fewer mask
-    positions to attend to than in training, a draft guesses worse."""
+def test_draft_runs_on_the_rounds_block(loaded, draft_for):
+    """A short round (a smaller block_size, the last tokens before max_tokens)
+    runs the draft on its own length only, not on the draft's trained block:
+    filling that block guessed barely better and cost a longer pass."""
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)
     sizes, propose = [], draft.propose
     draft.propose = lambda *a, **k: sizes.append(a[-1]) or propose(*a, **k)
     out, _ = dflash_tokens(model, draft, tok, PROMPTS[0], block_size=4, max_tokens=10)
     assert out == mlx_tokens(model, tok, PROMPTS[0], 10)
-    assert sizes and set(sizes) == {draft.block_size} and draft.block_size > 4
+    assert sizes and set(sizes) <= {2, 3, 4} and 4 in sizes and draft.block_size > 4
 
 
 def test_logprobs_match_mlx_lm(loaded, draft_for):
@@ -113,28 +113,6 @@ def test_logprobs_match_mlx_lm(loaded, draft_for):
     for k, p in zip(keys, PROMPTS[:2]):
         want = mx.stack([r.logprobs for r in mlx_lm.stream_generate(model, tok, p, max_tokens=30)])
         assert mx.allclose(mx.concatenate(got[k]), want, atol=1e-4).item(), p
-
-
-def test_draft_rows_are_a_prefix_of_its_block(loaded, draft_for, tmp_path):
-    """A short round runs the draft's head on the rows it verifies only: the
-    same logits as the first rows of the full block (DFlash, and DFlash2
-    whose selector walks the rows in order)."""
-    import mlx.core as mx
-
-    from dflash_mlx import load_draft
-    from dflash_mlx.engine.target import Target
-    from test_dflash2 import make_dflash2
-
-    model, tok, folder = loaded("qwen3")
-    t = Target(model)
-    for draft in (draft_for(folder), load_draft(str(make_dflash2(tmp_path / "d2", folder)))):
-        ids = mx.array(tok.encode(PROMPTS[0]))
-        _, feats, _ = t.forward(ids, t.make_cache(), draft.config.target_layer_ids)
-        out = []
-        for rows in (None, 3):
-            cache = draft.make_cache()
-            out.append(draft.propose(ids[-1:], feats, cache, t.embed, t.head, draft.block_size, rows=rows))
-        assert out[1].shape[0] == 3 and mx.allclose(out[0][:3], out[1], atol=1e-5).item()
 
 
 @pytest.mark.parametrize("block_size", [1, "auto"])

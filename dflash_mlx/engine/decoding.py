@@ -499,13 +499,13 @@ class _Decoder:
         verification the distributions they were drawn from: (proposal, q or
         None). The draft pass runs while the verify pass is being built."""
         q = None
-        # The draft always fills the block it was trained on: a shorter
-        # block (the last rounds, or a smaller block_size) attends to fewer
-        # mask positions and guesses worse; only length - 1 drafts are verified.
-        kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {"rows": length - 1}
+        # The draft runs on this round's block only, as the reference does:
+        # filling the trained block guessed a little better (tau 1.31 against
+        # 1.27 at block 2 on SmolLM2), never enough to pay for the longer pass.
+        kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
         logits = self.draft.propose(
-            anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, self.draft.block_size, **kw
-        )[: length - 1]
+            anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, length, **kw
+        )
         self.dstate.pending = None  # now in the draft's cache
         if self.tuner is not None and self.noise is not None:  # the target's noise at the same positions
             noise = self.noise(pos, length - 1)

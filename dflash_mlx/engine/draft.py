@@ -207,12 +207,9 @@ class DFlashDraft(nn.Module):
         block_size: int,
         steps: int = 1,
         vocab: Optional[mx.array] = None,
-        rows: Optional[int] = None,
     ) -> mx.array:
         """Logits [block_size - 1, V] for the block after ``anchor`` (a 1-element
-        int array), whose position is the cached context length; with
-        ``rows`` (one pass), only the first ``rows`` of them (the head, the
-        draft's costliest matmul, runs on those only).
+        int array), whose position is the cached context length.
 
         With ``steps`` K > 1 the draft denoises the block in K passes: after
         pass k its surest guesses fill k/K of the positions (the ones kept
@@ -225,8 +222,6 @@ class DFlashDraft(nn.Module):
         for k in range(1, steps + 1):
             block = mx.concatenate([anchor.reshape(1), tokens])[None]
             hidden = self(embed(block), features, cache)[:, 1:]
-            if steps == 1 and rows:  # a row depends on the ones before it only
-                hidden = hidden[:, :rows]
             new = self.logits(hidden, head)
             features = features[:, :0]  # read into the cache by the first pass
             logits = new if logits is None else mx.where(kept[:, None], logits, new)

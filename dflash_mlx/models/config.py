@@ -3,7 +3,7 @@
 import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..errors import DraftConfigError
 
@@ -129,137 +129,24 @@ class DFlashConfig:
             raise DraftConfigError("config.json must hold a JSON object.")
         if "speculators_model_type" in d:
             d = from_speculators(d)
-        args: Dict[str, Any] = {}
-        for name, kind in {**_REQUIRED, **_OPTIONAL}.items():
-            if name not in d or (d[name] is None and name not in _REQUIRED):
-                if name in _REQUIRED:
-                    raise DraftConfigError(
-                        f"config.json lacks '{name}'; a DFlash draft config needs "
-                        f"{', '.join(_REQUIRED)}."
-                    )
-                continue
-            args[name] = _typed(name, d[name], kind)
-        for name in _REQUIRED:
-            if args[name] <= 0:
-                raise DraftConfigError(f"config.json: '{name}' must be positive.")
-
-        dc = d.get("dflash_config") or {}
-        if not isinstance(dc, dict):
-            raise DraftConfigError("config.json: 'dflash_config' must be an object.")
-        mask = dc.get("mask_token_id", d.get("mask_token_id"))
-        if mask is None:
-            raise DraftConfigError(
-                "config.json lacks dflash_config.mask_token_id; is this a DFlash draft?"
-            )
-        args["mask_token_id"] = _typed("dflash_config.mask_token_id", mask, int)
-
-        D = args["num_hidden_layers"]
-        ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
-        T = args.get("num_target_layers")
-        if ids is None:
-            if T is None:
-                raise DraftConfigError(
-                    "config.json gives neither dflash_config.target_layer_ids nor "
-                    "num_target_layers; one is needed to know which target layers "
-                    "feed the draft."
-                )
-            ids = default_layer_ids(T, D)
-        if not isinstance(ids, list) or not ids or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-        ):
-            raise DraftConfigError(
-                "config.json: target_layer_ids must be a non-empty list of "
-                f"non-negative integers, got {ids!r}."
-            )
-        args["target_layer_ids"] = list(ids)
-        vocab = dc.get("draft_vocab")
-        if vocab is not None:
-            V = args["vocab_size"]
-            if not isinstance(vocab, list) or not vocab or not all(
-                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < V for i in vocab
-            ) or len(set(vocab)) != len(vocab):
-                raise DraftConfigError(
-                    f"config.json: dflash_config.draft_vocab must list distinct token ids below {V}."
-                )
-            args["draft_vocab"] = vocab
-        args["num_target_layers"] = T if T is not None else max(ids) + 1
-
-        nested = dc.get("block_size")  # DFlash2 configs keep it in dflash_config
-        if nested is not None:
-            nested = _typed("dflash_config.block_size", nested, int)
-            if args.get("block_size", nested) != nested:
-                raise DraftConfigError(
-                    f"config.json gives block_size {args['block_size']} and dflash_config.block_size "
-                    f"{nested}; they must agree."
-                )
-            args["block_size"] = nested
-        if args.get("block_size", 16) < 1:
-            raise DraftConfigError("config.json: 'block_size' must be at least 1.")
-        rs = d.get("rope_scaling")
-        if rs is not None and not isinstance(rs, dict):
-            raise DraftConfigError("config.json: 'rope_scaling' must be null or an object.")
-        rp = d.get("rope_parameters")  # transformers >= 5 nests rope settings here
-        if rp is not None:
-            if not isinstance(rp, dict):
-                raise DraftConfigError("config.json: 'rope_parameters' must be an object.")
-            if any(isinstance(v, dict) for v in rp.values()):
-                raise DraftConfigError(
-                    "config.json: rope_parameters per layer type (e.g. full_attention / sliding_attention) "
-                    "are not supported in drafts; give one rope_parameters object."
-                )
-            if rp.get("rope_theta") is not None:
-                theta = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
-                if args.get("rope_theta", theta) != theta:
-                    raise DraftConfigError(
-                        f"config.json gives rope_theta {args['rope_theta']} and rope_parameters.rope_theta "
-                        f"{theta}; they must agree."
-                    )
-                args["rope_theta"] = theta
-            if rs is None and _rope_type(rp) != "default":
-                rs = {k: v for k, v in rp.items() if k != "rope_theta"}
-        for src in (d, rp or {}, rs or {}):
-            if src.get("partial_rotary_factor", 1.0) != 1.0:
-                raise DraftConfigError(
-                    f"config.json: partial_rotary_factor {src['partial_rotary_factor']} is not supported "
-                    "in drafts (their rope covers the whole head)."
-                )
-        if d.get("hidden_act", "silu") != "silu":
-            raise DraftConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported; DFlash drafts use silu.")
-        if rs is not None:
-            kind = _rope_type(rs)
-            if kind not in ROPE_TYPES:
-                raise DraftConfigError(
-                    f"config.json: rope type '{kind}' is not supported (known: {', '.join(sorted(ROPE_TYPES))})."
-                )
-            missing = [k for k in ROPE_TYPES[kind] if k not in rs]
-            if missing:
-                raise DraftConfigError(f"config.json: a '{kind}' rope needs {', '.join(missing)}.")
-        args["rope_scaling"] = rs
-        lt = d.get("layer_types")
-        if lt is not None:
-            if not isinstance(lt, list) or len(lt) != D:
-                raise DraftConfigError(
-                    f"config.json: 'layer_types' must list one type per draft layer ({D})."
-                )
-            unknown = sorted({t for t in lt if t not in LAYER_TYPES}, key=str)
-            if unknown:
-                raise DraftConfigError(
-                    f"config.json: draft layer type {unknown[0]!r} is not supported "
-                    f"(known: {', '.join(LAYER_TYPES)})."
-                )
-            if "sliding_attention" in lt and not args.get("sliding_window"):
-                raise DraftConfigError(
-                    "config.json: sliding_attention layers need a positive 'sliding_window'."
-                )
-        args["layer_types"] = lt
+        args = _plain_fields(d)
+        dc = _dflash_config(d)
+        args["mask_token_id"] = _mask_token_id(d, dc)
+        args["target_layer_ids"], args["num_target_layers"] = _target_layers(
+            d, dc, args["num_hidden_layers"], args.get("num_target_layers")
+        )
+        args["draft_vocab"] = _draft_vocab(dc, args["vocab_size"])
+        args["block_size"] = _block_size(dc, args.get("block_size"))
+        args["rope_theta"], args["rope_scaling"] = _rope(d, args.get("rope_theta"))
+        _check_hidden_act(d)
+        _check_rope_type(args["rope_scaling"])
+        args["layer_types"] = _layer_types(d, args["num_hidden_layers"], args.get("sliding_window"))
         args["dtype"] = _dtype(d)
-        if DFLASH2 in (d.get("architectures") or []):
-            if args.get("draft_vocab"):
-                raise DraftConfigError("config.json: a DFlash2 draft cannot have a draft_vocab.")
-            args["dflash2"] = DFlash2Params.from_dict(d, dc, args["hidden_size"], args["vocab_size"])
+        args["dflash2"] = _dflash2(d, dc, args)
         known = {f.name for f in fields(cls)} | {"dflash_config", "torch_dtype", "is_causal", "architectures"}
         args["extra"] = {k: v for k, v in d.items() if k not in known}
-        return cls(**args)
+        # None means not given: the field keeps its default.
+        return cls(**{k: v for k, v in args.items() if v is not None})
 
     @classmethod
     def from_file(cls, path: Path) -> "DFlashConfig":
@@ -315,6 +202,185 @@ class DFlashConfig:
             d["architectures"], d["is_causal"] = [DFLASH2], False
             d["dflash_config"].update(asdict(self.dflash2), block_size=self.block_size)
         return d
+
+
+# The steps of DFlashConfig.from_dict, in the order it checks them.
+
+def _plain_fields(d: Dict[str, Any]) -> Dict[str, Any]:
+    """The typed top-level fields given; the required ones must be positive."""
+    args: Dict[str, Any] = {}
+    for name, kind in {**_REQUIRED, **_OPTIONAL}.items():
+        if name not in d or (d[name] is None and name not in _REQUIRED):
+            if name in _REQUIRED:
+                raise DraftConfigError(
+                    f"config.json lacks '{name}'; a DFlash draft config needs "
+                    f"{', '.join(_REQUIRED)}."
+                )
+            continue
+        args[name] = _typed(name, d[name], kind)
+    for name in _REQUIRED:
+        if args[name] <= 0:
+            raise DraftConfigError(f"config.json: '{name}' must be positive.")
+    return args
+
+
+def _dflash_config(d: Dict[str, Any]) -> Dict[str, Any]:
+    dc = d.get("dflash_config") or {}
+    if not isinstance(dc, dict):
+        raise DraftConfigError("config.json: 'dflash_config' must be an object.")
+    return dc
+
+
+def _mask_token_id(d: Dict[str, Any], dc: Dict[str, Any]) -> int:
+    mask = dc.get("mask_token_id", d.get("mask_token_id"))
+    if mask is None:
+        raise DraftConfigError(
+            "config.json lacks dflash_config.mask_token_id; is this a DFlash draft?"
+        )
+    return _typed("dflash_config.mask_token_id", mask, int)
+
+
+def _target_layers(
+    d: Dict[str, Any], dc: Dict[str, Any], num_draft_layers: int, num_target_layers: Optional[int]
+) -> Tuple[List[int], int]:
+    """The target layers that feed the draft, and the target's layer count."""
+    ids = dc.get("target_layer_ids", d.get("target_layer_ids"))
+    if ids is None:
+        if num_target_layers is None:
+            raise DraftConfigError(
+                "config.json gives neither dflash_config.target_layer_ids nor "
+                "num_target_layers; one is needed to know which target layers "
+                "feed the draft."
+            )
+        ids = default_layer_ids(num_target_layers, num_draft_layers)
+    if not isinstance(ids, list) or not ids or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
+    ):
+        raise DraftConfigError(
+            "config.json: target_layer_ids must be a non-empty list of "
+            f"non-negative integers, got {ids!r}."
+        )
+    return list(ids), num_target_layers if num_target_layers is not None else max(ids) + 1
+
+
+def _draft_vocab(dc: Dict[str, Any], vocab_size: int) -> Optional[List[int]]:
+    vocab = dc.get("draft_vocab")
+    if vocab is None:
+        return None
+    if not isinstance(vocab, list) or not vocab or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in vocab
+    ) or len(set(vocab)) != len(vocab):
+        raise DraftConfigError(
+            f"config.json: dflash_config.draft_vocab must list distinct token ids below {vocab_size}."
+        )
+    return vocab
+
+
+def _block_size(dc: Dict[str, Any], block_size: Optional[int]) -> Optional[int]:
+    """The top-level block_size or the one DFlash2 configs keep in dflash_config."""
+    nested = dc.get("block_size")
+    if nested is not None:
+        nested = _typed("dflash_config.block_size", nested, int)
+        if block_size is not None and block_size != nested:
+            raise DraftConfigError(
+                f"config.json gives block_size {block_size} and dflash_config.block_size "
+                f"{nested}; they must agree."
+            )
+        block_size = nested
+    if block_size is not None and block_size < 1:
+        raise DraftConfigError("config.json: 'block_size' must be at least 1.")
+    return block_size
+
+
+def _rope(
+    d: Dict[str, Any], theta: Optional[float]
+) -> Tuple[Optional[float], Optional[Dict[str, Any]]]:
+    """rope_theta and rope_scaling, taking what rope_parameters adds."""
+    rs = d.get("rope_scaling")
+    if rs is not None and not isinstance(rs, dict):
+        raise DraftConfigError("config.json: 'rope_scaling' must be null or an object.")
+    rp = _rope_parameters(d)
+    if rp is not None:
+        if rp.get("rope_theta") is not None:
+            nested = _typed("rope_parameters.rope_theta", rp["rope_theta"], float)
+            if theta is not None and theta != nested:
+                raise DraftConfigError(
+                    f"config.json gives rope_theta {theta} and rope_parameters.rope_theta "
+                    f"{nested}; they must agree."
+                )
+            theta = nested
+        if rs is None and _rope_type(rp) != "default":
+            rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+    for src in (d, rp or {}, rs or {}):
+        if src.get("partial_rotary_factor", 1.0) != 1.0:
+            raise DraftConfigError(
+                f"config.json: partial_rotary_factor {src['partial_rotary_factor']} is not supported "
+                "in drafts (their rope covers the whole head)."
+            )
+    return theta, rs
+
+
+def _rope_parameters(d: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The rope settings transformers >= 5 nests in rope_parameters."""
+    rp = d.get("rope_parameters")
+    if rp is None:
+        return None
+    if not isinstance(rp, dict):
+        raise DraftConfigError("config.json: 'rope_parameters' must be an object.")
+    if any(isinstance(v, dict) for v in rp.values()):
+        raise DraftConfigError(
+            "config.json: rope_parameters per layer type (e.g. full_attention / sliding_attention) "
+            "are not supported in drafts; give one rope_parameters object."
+        )
+    return rp
+
+
+def _check_hidden_act(d: Dict[str, Any]) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise DraftConfigError(f"config.json: hidden_act {d['hidden_act']!r} is not supported; DFlash drafts use silu.")
+
+
+def _check_rope_type(rs: Optional[Dict[str, Any]]) -> None:
+    """That mlx-lm builds this rope scaling."""
+    if rs is None:
+        return
+    kind = _rope_type(rs)
+    if kind not in ROPE_TYPES:
+        raise DraftConfigError(
+            f"config.json: rope type '{kind}' is not supported (known: {', '.join(sorted(ROPE_TYPES))})."
+        )
+    missing = [k for k in ROPE_TYPES[kind] if k not in rs]
+    if missing:
+        raise DraftConfigError(f"config.json: a '{kind}' rope needs {', '.join(missing)}.")
+
+
+def _layer_types(d: Dict[str, Any], num_layers: int, sliding_window: Optional[int]) -> Optional[List[str]]:
+    lt = d.get("layer_types")
+    if lt is None:
+        return None
+    if not isinstance(lt, list) or len(lt) != num_layers:
+        raise DraftConfigError(
+            f"config.json: 'layer_types' must list one type per draft layer ({num_layers})."
+        )
+    unknown = sorted({t for t in lt if t not in LAYER_TYPES}, key=str)
+    if unknown:
+        raise DraftConfigError(
+            f"config.json: draft layer type {unknown[0]!r} is not supported "
+            f"(known: {', '.join(LAYER_TYPES)})."
+        )
+    if "sliding_attention" in lt and not sliding_window:
+        raise DraftConfigError(
+            "config.json: sliding_attention layers need a positive 'sliding_window'."
+        )
+    return lt
+
+
+def _dflash2(d: Dict[str, Any], dc: Dict[str, Any], args: Dict[str, Any]) -> Optional[DFlash2Params]:
+    if DFLASH2 not in (d.get("architectures") or []):
+        return None
+    if args.get("draft_vocab"):
+        raise DraftConfigError("config.json: a DFlash2 draft cannot have a draft_vocab.")
+    return DFlash2Params.from_dict(d, dc, args["hidden_size"], args["vocab_size"])
 
 
 SPECULATORS_LAYER = (

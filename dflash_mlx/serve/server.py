@@ -515,6 +515,27 @@ def _envelope(served: Served, req: Request, rid: str, created: int, chunk=False)
     return {"id": rid, "object": kind, "created": created, "model": served.model_id}
 
 
+def _completion(served: Served, req: Request, rid: str, created: int, text: str, out: Outcome) -> dict:
+    """The whole answer, as one JSON body."""
+    choice = _choice(req, text, out.finish, records=out.sent_logprobs())
+    return dict(_envelope(served, req, rid, created), choices=[choice], usage=_usage(req, out), dflash=_stats(out))
+
+
+def _chunks(served: Served, req: Request, rid: str, created: int, pieces, out: Outcome):
+    """The answer as stream chunks, one per piece of text as it comes (made
+    lazily: each piece's log-probabilities are taken when its chunk is)."""
+    base = _envelope(served, req, rid, created, chunk=True)
+    if req.chat:
+        yield dict(base, choices=[_choice(req, "", None, True, True)])
+    for piece in pieces:
+        if piece:
+            yield dict(base, choices=[_choice(req, piece, None, True, records=out.sent_logprobs())])
+    yield dict(base, choices=[_choice(req, "", out.finish, True, records=out.sent_logprobs())],
+               dflash=_stats(out))
+    if req.include_usage:
+        yield dict(base, choices=[], usage=_usage(req, out))
+
+
 # ---------------------------------------------------------------- HTTP
 
 class Handler(BaseHTTPRequestHandler):
@@ -586,12 +607,9 @@ class Handler(BaseHTTPRequestHandler):
                         log.info("%s: the client went away", rid)
                         return
                     text += piece
-                choice = _choice(req, text, out.finish, records=out.sent_logprobs())
-                body = dict(_envelope(s, req, rid, created), choices=[choice],
-                            usage=_usage(req, out), dflash=_stats(out))
-                self._json(200, body)
+                self._json(200, _completion(s, req, rid, created, text, out))
             else:
-                self._stream(req, rid, created, first, pieces, out)
+                self._sse(_chunks(s, req, rid, created, itertools.chain([first], pieces), out))
         finally:
             pieces.close()  # a disconnected client stops its generation
         log.info("%s: %d+%d tokens, %s, cached %d, tau %.2f", rid, len(req.ids),
@@ -605,25 +623,15 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             return True
 
-    def _stream(self, req, rid, created, first, pieces, out) -> None:
-        s = self.served
+    def _sse(self, chunks) -> None:
+        """Send ``chunks`` as server-sent events, each as soon as it is made."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.end_headers()
         self.close_connection = self.streaming = True
-        base = _envelope(s, req, rid, created, chunk=True)
-        if req.chat:
-            self._event(dict(base, choices=[_choice(req, "", None, True, True)]))
-        for piece in itertools.chain([first], pieces):  # each round's text as it comes
-            if piece:
-                self._event(dict(base, choices=[_choice(req, piece, None, True, records=out.sent_logprobs())]))
-        last = dict(base, choices=[_choice(req, "", out.finish, True, records=out.sent_logprobs())],
-                    dflash=_stats(out))
-        if req.include_usage:
-            self._event(last)
-            last = dict(base, choices=[], usage=_usage(req, out))
-        self._event(last)
+        for chunk in chunks:
+            self._event(chunk)
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
 

@@ -7,8 +7,7 @@ tokens per second of the loop's own wall clock:
 - Seconds per round are measured on the rounds that took that length (a
   decaying mean, apart for each batch width; the first round after a switch
   between drafting and plain steps is not counted). The plain step and the
-  full block are timed first, and the plain step again after every
-  ``refresh`` drafting rounds; a length not timed yet is estimated by linear
+  full block are timed first; a length not timed yet is estimated by linear
   interpolation between timed ones, which is optimistic (a drafting round
   pays the draft pass at any length), so it is tried where it might win.
 - Tokens per round come from every drafting round: one that verified L
@@ -48,9 +47,6 @@ class Policy:
         budget: The share of the time (over about the last ``window``
             rounds) that drafting rounds may lose against plain steps while
             plain steps win.
-        refresh: Drafting rounds after which the plain step is timed again:
-            the lengths are compared by times taken at about the same
-            time, whatever else the machine does meanwhile.
     """
 
     block_size: int
@@ -59,7 +55,6 @@ class Policy:
     prior: float = 1.0
     budget: float = 0.02
     window: int = 256
-    refresh: int = 64
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)
     # (width, length) -> [decaying seconds, decaying rounds]
@@ -69,7 +64,6 @@ class Policy:
     lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
     made: float = field(init=False, default=1.0)  # tokens a row committed in the last drafting round
     untimed: int = field(init=False, default=0)  # plain steps taken, not timed yet
-    since: Dict[int, int] = field(init=False, default_factory=dict)  # drafting rounds timed since a plain step
 
     def __post_init__(self):
         depth = max(self.block_size - 1, 0)
@@ -171,10 +165,6 @@ class Policy:
         for _ in range(rounds):
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1
-        self.since[width] = 0 if length == 1 else self.since.get(width, 0) + rounds
-        if self.since[width] >= self.refresh:  # the machine's pace may have changed
-            self.times.pop((width, 1), None)
-            self.since[width] = 0
 
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full

@@ -16,11 +16,14 @@ from typing import List, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .fastmath import numpy_exp
+
 
 def greedy_labels(target, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
     """(labels [B, S] int32, features [B, S, n*H]) of a batch ``tokens`` [B, S]:
     label p is the target's greedy next token after tokens 0..p."""
-    logits, features = target.hidden(tokens, layer_ids)
+    with numpy_exp(target.model):
+        logits, features = target.hidden(tokens, layer_ids)
     return mx.argmax(logits, axis=-1).astype(mx.int32), features
 
 

@@ -1,13 +1,15 @@
-"""A faster cache-free target forward for the data engine on MLX-CPU.
+"""A faster target forward for the data engine on MLX-CPU.
 
 MLX-CPU's ``exp`` runs ~30x slower than numpy's (87 against 3 ms over the
 5.3M attention scores of one SmolLM2 layer on 4 x 384 tokens), and a target's
 prefill spends most of its time there: in the attention softmax and in the
 SwiGLU gate. Inside :func:`numpy_exp`, the target's mlx-lm modules compute
 those two with numpy instead; the results agree with MLX's to float32
-rounding. It is a scoped hook: it swaps the two functions in the model's own
-modules and always puts them back, only on the CPU, and only calls without a
-cache (training prefills) take the numpy path; decoding never runs inside it.
+rounding, not bit for bit, so only making training data (prefills, and the
+target's answers regenerated in batches, where it also takes about half of a
+step) runs inside it, never DFlash decoding. It is a scoped hook: it swaps the
+two functions in the model's own modules and always puts them back, only on
+the CPU.
 """
 
 import sys
@@ -26,8 +28,8 @@ _FLOATS = (mx.float32, mx.float16)
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` with the softmax in numpy,
-    for float32/float16 inputs without a cache or sinks."""
-    if cache is not None or sinks is not None or queries.dtype not in _FLOATS:
+    for float32/float16 inputs without sinks or a quantized cache."""
+    if hasattr(cache, "bits") or sinks is not None or queries.dtype not in _FLOATS:
         return base.scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks)
     B, H, L, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
@@ -66,8 +68,8 @@ _SWAPS = {"scaled_dot_product_attention": (base.scaled_dot_product_attention, at
 
 @contextmanager
 def numpy_exp(model: Optional[nn.Module]):
-    """Run ``model``'s cache-free forward passes with the softmax and SwiGLU
-    in numpy (on the CPU; elsewhere, or for ``None``, nothing changes)."""
+    """Run ``model``'s forward passes with the softmax and SwiGLU in numpy
+    (on the CPU; elsewhere, or for ``None``, nothing changes)."""
     if model is None or mx.default_device() != mx.cpu:
         yield
         return

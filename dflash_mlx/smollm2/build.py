@@ -13,7 +13,12 @@ Stages (``--stages``, comma-separated, run in this order):
   with ``--online`` only the text is written, and training computes them);
 - ``regen``: the target answers each one greedily (``--regen-tokens`` at
   most); answers are kept in the work folder as they finish, so an
-  interrupted run loses none and a rerun only makes the missing ones;
+  interrupted run loses none and a rerun only makes the missing ones.
+  The answers committed in ``answers.jsonl.gz`` next to this file join the
+  work folder's first, so a new machine answers only prompts none has;
+- ``keep``: write the work folder's answers into ``answers.jsonl.gz`` (to
+  commit: answers cost ~125 tokens a second to make, and work folders do not
+  outlive a session here);
 - ``train``: train the draft (``--minutes``) on prompt + answer sequences
   (``--train-on corpus``: on the corpus stage's store instead).
   Target features are computed once and kept in the work folder; with
@@ -26,6 +31,7 @@ STAGES.md next to this file with its command, time and held-out tau.
 """
 
 import argparse
+import gzip
 import json
 import sys
 import time
@@ -34,6 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 DRAFT = HERE / "draft"
 HELDOUT = HERE / "heldout.jsonl"
+ANSWERS = HERE / "answers.jsonl.gz"
 POOL = 6000
 
 # The draft's shape and training settings (see STAGES.md for what they gave).
@@ -50,6 +57,45 @@ def train_args(work: Path, args) -> list:
     if args.init:
         out += ["--init", args.init]
     return out
+
+
+def _answer_lines(path: Path) -> list:
+    if not path.exists():
+        return []
+    text = (gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()).decode()
+    return [l for l in text.splitlines() if l.endswith("}")]  # a line cut short by a kill is dropped
+
+
+def restore_answers(work: Path) -> int:
+    """Add the committed answers to the work folder's; returns how many."""
+    from ..training.train import REGEN
+
+    path = work / "draft" / REGEN
+    have = set(_answer_lines(path))
+    new = [l for l in _answer_lines(ANSWERS) if l not in have]
+    if new:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            if path.stat().st_size and not path.read_text().endswith("\n"):
+                f.write("\n")
+            f.write("".join(l + "\n" for l in new))
+    return len(new)
+
+
+def keep_answers(work: Path) -> int:
+    """Write the committed answers plus the work folder's new ones into
+    ``ANSWERS`` (byte-for-byte the same for the same answers); returns how
+    many it holds."""
+    from ..training.train import REGEN
+
+    lines = _answer_lines(ANSWERS)
+    seen = set(lines)
+    lines += [l for l in dict.fromkeys(_answer_lines(work / "draft" / REGEN)) if l not in seen]
+    tmp = ANSWERS.with_suffix(".part")
+    with open(tmp, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write("".join(l + "\n" for l in lines).encode())
+    tmp.replace(ANSWERS)
+    return len(lines)
 
 
 def written(work: Path, args, make: bool) -> list:
@@ -116,7 +162,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash_mlx.smollm2.build", description=__doc__.splitlines()[0])
     p.add_argument("--work", default="build/smollm2", help="Work folder (prompts, answers, features, checkpoints).")
     p.add_argument("--stages", default="prompts,regen,train,install,eval",
-                   help="Comma-separated: prompts, written, corpus, regen, train, install, eval.")
+                   help="Comma-separated: prompts, written, corpus, regen, keep, train, install, eval.")
     p.add_argument("--prompts", type=int, default=2000)
     p.add_argument("--written", type=int, default=0, help="Prompts written by the target (after the template ones).")
     p.add_argument("--repeat", type=int, default=1, help="How many times each written prompt is listed.")
@@ -157,10 +203,16 @@ def main(argv=None) -> int:
                 code = train_main(on_corpus + ["--prepare-only", "--data-workers", str(args.data_workers)])
                 if code:
                     return code
+        if "regen" in stages or "train" in stages:
+            n = restore_answers(work)
+            if n:
+                print(f"{n} committed answers added to the work folder", file=sys.stderr)
         if "regen" in stages:
             code = train_main(train_args(work, args) + ["--prepare-only"])
             if code:
                 return code
+        if "keep" in stages:
+            print(f"{ANSWERS} holds {keep_answers(work)} answers", file=sys.stderr)
         if "train" in stages:
             tic = time.perf_counter()
             base = on_corpus if args.train_on == "corpus" else train_args(work, args)

@@ -88,10 +88,13 @@ class Attention(nn.Module):
 
     def _attend(self, q, keys, values, mask):
         B, _, L, _ = q.shape
-        out = mx.fast.scaled_dot_product_attention(
-            q, keys, values, scale=self.scale, mask=mask
-        )
+        out = attend(q, keys, values, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+def attend(q, keys, values, scale: float, mask) -> mx.array:
+    # A module-level name, so that training can swap in a cheaper softmax.
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
 def _block_mask(qpos, kpos, anchors, window, L):

@@ -6,7 +6,6 @@ import gzip
 import json
 from pathlib import Path
 
-
 from dflash_mlx.smollm2 import build
 from dflash_mlx.training.train import REGEN
 

@@ -27,6 +27,7 @@ from ..models.config import DFlashConfig, default_layer_ids
 from .data import DataError, Sequence, read_records, regen_prompts, regenerate, sequences
 from ..engine.draft import DFlashDraft
 from .features import FeatureStore
+from .fastmath import cross_entropy, numpy_exp
 from .labels import block_labels, greedy_labels
 from ..errors import DFlashError, run_command
 from ..models.loading import load, load_draft, save_draft
@@ -253,7 +254,7 @@ def loss_fn(draft, target, features, blocks, anchors, labels, valid, weights):
     """Offset-weighted cross entropy, the accuracy per offset and the mean
     accepted prefix length of the blocks (a training estimate of tau)."""
     logits = block_logits(draft, target, features, blocks, anchors)
-    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    ce = cross_entropy(logits, labels)
     w = weights[None] * valid
     loss = (ce * w).sum() / mx.maximum(w.sum(), 1e-6)
     hit = (mx.argmax(logits, axis=-1) == labels) & valid
@@ -379,7 +380,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         rng = np.random.default_rng(a.seed)
         for _ in range(2):  # the first call pays one-time costs
             tic = time.perf_counter()
-            mx.eval(grad(draft, target, *inputs(range(min(a.batch_size, len(seqs))), rng), weights))
+            with numpy_exp(model, draft):
+                mx.eval(grad(draft, target, *inputs(range(min(a.batch_size, len(seqs))), rng), weights))
         steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
         print(f"{steps} steps fit in {a.minutes:g} min", file=log)
     opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
@@ -392,7 +394,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         print(f"resuming at step {step}/{steps}", file=log)
 
     def step_fn(feats, blocks, anchors, labels, valid):
-        (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
+        with numpy_exp(model, draft):  # MLX-CPU's exp is slow; decoding never runs this
+            (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
         g, _ = optim.clip_grad_norm(g, 1.0)
         opt.update(draft, g)
         return loss, acc, tau

@@ -9,7 +9,10 @@ those exps with numpy, agree with MLX's to float32 rounding, and are
 differentiable (their gradients need no exp or take it from numpy too).
 Because they are not bit for bit MLX's, only training runs them, never DFlash
 decoding: :func:`numpy_exp` swaps them into a model's modules for its scope
-and always puts MLX's back, only on the CPU.
+and always puts MLX's back, only on the CPU. The swap is per module, so while
+it lasts another model of the same architecture in this process (say, one
+decoding on another thread) would run them too: training and serving belong
+in separate processes.
 """
 
 import sys

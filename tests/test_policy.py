@@ -105,6 +105,24 @@ def test_useless_draft_takes_plain_steps(modelled, loaded, draft_for):
     assert loss <= 2 * (3.0 - 1) + Policy.of(draft).budget * modelled[0] + 1.6, (loss, modelled)
 
 
+def test_useless_draft_costs_the_budget_in_every_generation(modelled, loaded, draft_for):
+    """Generation after generation with a useless draft, what its drafting
+    rounds lose stays within the budget (a generation's last plain steps,
+    never timed, must not widen it)."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    prompt = PROMPTS[0]
+    auto_run(model, draft, tok, prompt, max_tokens=60)  # the full block and plain steps are timed
+    start, made = modelled[0], 0
+    for _ in range(12):
+        _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=60)
+        made += sum(a for _, a, _ in rounds)
+    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    spent = modelled[0] - start
+    loss = spent - 12 * prefill - made
+    assert loss <= Policy.of(draft).budget * spent + 1.6, (loss, spent)
+
+
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     """An always-right draft: the full block, once the plain step is timed."""
     model, tok, folder = loaded("qwen3", tied=True)

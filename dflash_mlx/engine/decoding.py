@@ -563,6 +563,8 @@ class _Decoder:
         (the policy is kept per draft as it learns)."""
         if self.tuner is not None:
             self.tuner.remember(draft)
+        if self.policy is not None:
+            self.policy.end()
 
     def _learn(self, length: int, accepted: int, took: bool = True) -> None:
         """Teach the policy a round whose tokens were just read, and time it.

@@ -175,6 +175,10 @@ class Policy:
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 3
 
+    def end(self) -> None:
+        """A generation ended: its last plain steps, not timed yet, never will be."""
+        self.untimed = 0
+
     @staticmethod
     def of(draft) -> "Policy":
         """The policy of ``draft``'s generations (made at the first)."""

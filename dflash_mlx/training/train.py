@@ -292,7 +292,7 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     workers (``a.data_workers``) to load it too. Returns the trained draft
     (``features_only``: build the feature store and return None).
     """
-    log = log or sys.stderr
+    log, outp = log or sys.stderr, Path(out)
     if not seqs:
         raise DataError("No training sequences (every record was shorter than 2 tokens).")
     if a.block_size < 2:
@@ -302,18 +302,48 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
     src = load_draft(a.init) if a.init else None
     if src is not None:
         a = _inherit(a, src.config)
+    draft = _new_draft(model, tokenizer, target, seqs, a, src, outp, resume)
+    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    store = _feature_store(target, draft.config, seqs, a, pad, outp, log, model_path) if a.cache_features else None
+    if features_only:
+        return None
+    scale = _scale(target, draft.config, seqs, a, pad, store)
+    if src is not None:
+        draft.fc.weight = draft.fc.weight * scale[None]
+    inputs = _inputs(target, draft, seqs, a, pad, store, 1 / scale)
+    grad_fn = _grad_fn(model, target, draft, a)
+    steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
+    if a.minutes and not a.steps:
+        steps = _steps_in(a.minutes, grad_fn, inputs, seqs, a, log)
+    opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
+    opt.init(draft.trainable_parameters())
+    step = 0
+    if resume:
+        step = _load_state(draft, opt, outp)
+        draft.fc.weight = draft.fc.weight * scale[None]
+        print(f"resuming at step {step}/{steps}", file=log)
+    for done in _run_steps(draft, opt, grad_fn, inputs, seqs, a, step, steps, log, on_step):
+        if a.checkpoint_every and done % a.checkpoint_every == 0 and done < steps:
+            _save(draft, opt, outp, done, scale)
+    _save(draft, opt, outp, steps, scale)
+    draft.fc.weight = draft.fc.weight / scale[None]
+    return draft
+
+
+def _new_draft(model, tokenizer, target: Target, seqs: List[Sequence], a: TrainArgs, src: Optional[DFlashDraft],
+               out: Path, resume: bool) -> DFlashDraft:
+    """The draft to train: a new one (started from the target's norm, and its
+    last layers with ``a.target_init``) or the --init draft ``src`` in float32.
+    Its vocabulary: ``src``'s, the one it was trained with when resuming, or
+    the ``a.draft_vocab`` most frequent tokens of ``seqs``."""
     cfg = draft_config(model, tokenizer, a)
-    saved = Path(out) / "config.json"
+    saved = out / "config.json"
     if src is not None:
         cfg.draft_vocab = src.config.draft_vocab
     elif resume and saved.exists():  # the vocabulary it was trained with
         cfg.draft_vocab = DFlashConfig.from_file(saved).draft_vocab
     elif a.draft_vocab and a.draft_vocab < cfg.vocab_size:
         cfg.draft_vocab = top_tokens(seqs, a.draft_vocab, cfg.vocab_size)
-    lookup = None
-    if cfg.draft_vocab:
-        lookup = np.full(cfg.vocab_size, -1, dtype=np.int32)
-        lookup[cfg.draft_vocab] = np.arange(len(cfg.draft_vocab), dtype=np.int32)
     mx.random.seed(a.seed)
     draft = DFlashDraft(cfg)
     if src is None:
@@ -326,36 +356,44 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         if w is not None:  # a draft of ours: its exact weights, not the bf16 copy
             draft.update(tree_unflatten(list(w.items())))
     mx.eval(draft.parameters())
-    gamma = a.gamma or default_gamma(a.block_size)
-    weights = mx.exp(-mx.arange(a.block_size - 1, dtype=mx.float32) / gamma)
-    pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    grad = nn.value_and_grad(draft, loss_fn)
-    steps = a.steps or max(1, math.ceil(a.epochs * len(seqs) / a.batch_size))
+    return draft
 
-    store = None
-    if a.cache_features:
-        bar = Progress(len(seqs), "features", out=log)
-        store = FeatureStore(Path(out), seqs, target, cfg.target_layer_ids, a.seq_len, pad,
-                             progress=lambda n, t: bar.update(n, t), workers=a.data_workers, model=model_path)
-        bar.close()
-    if features_only:
-        return None
 
-    # The draft trains on features divided by their per-dimension RMS, and
-    # its fc weights are folded back on saving: targets with massive
-    # activations (SmolLM2: dims of RMS ~1900 beside a median of ~6) otherwise
-    # drown the context in a few dimensions and Adam's steps on them.
+def _feature_store(target: Target, cfg: DFlashConfig, seqs: List[Sequence], a: TrainArgs, pad: int, out: Path,
+                   log, model_path: Optional[str]) -> FeatureStore:
+    """The target's features of ``seqs``, computed once into ``out``."""
+    bar = Progress(len(seqs), "features", out=log)
+    store = FeatureStore(out, seqs, target, cfg.target_layer_ids, a.seq_len, pad,
+                         progress=lambda n, t: bar.update(n, t), workers=a.data_workers, model=model_path)
+    bar.close()
+    return store
+
+
+def _scale(target: Target, cfg: DFlashConfig, seqs: List[Sequence], a: TrainArgs, pad: int,
+           store: Optional[FeatureStore]) -> mx.array:
+    """The per-dimension RMS of the target's features, from the first sequences.
+
+    The draft trains on features divided by it, and its fc weights are folded
+    back on saving: targets with massive activations (SmolLM2: dims of RMS
+    ~1900 beside a median of ~6) otherwise drown the context in a few
+    dimensions and Adam's steps on them."""
     if store is not None:
-        scale = feature_scale(store.array[: min(64, len(seqs))])
-    else:
-        toks = make_batch(seqs[: a.batch_size], a, pad, cfg.mask_token_id, np.random.default_rng(0))[0]
-        scale = feature_scale(np.array(_features(target, toks, cfg.target_layer_ids)))
-    inv = 1 / scale
-    if src is not None:
-        draft.fc.weight = draft.fc.weight * scale[None]
+        return feature_scale(store.array[: min(64, len(seqs))])
+    toks = make_batch(seqs[: a.batch_size], a, pad, cfg.mask_token_id, np.random.default_rng(0))[0]
+    return feature_scale(np.array(_features(target, toks, cfg.target_layer_ids)))
+
+
+def _inputs(target: Target, draft: DFlashDraft, seqs: List[Sequence], a: TrainArgs, pad: int,
+            store: Optional[FeatureStore], inv: mx.array):
+    """``inputs(index, rng)``: the features (times ``inv``), blocks, anchors,
+    labels and validity of one step on ``seqs[index]``."""
+    cfg = draft.config
+    lookup = None
+    if cfg.draft_vocab:
+        lookup = np.full(cfg.vocab_size, -1, dtype=np.int32)
+        lookup[cfg.draft_vocab] = np.arange(len(cfg.draft_vocab), dtype=np.int32)
 
     def inputs(index, rng):
-        """Features, blocks, anchors, labels and validity of one step."""
         batch = [seqs[i] for i in index]
         toks, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, lookup=lookup)
         greedy = None
@@ -376,29 +414,38 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
             _, *blocks = make_batch(batch, a, pad, cfg.mask_token_id, rng, moved, lookup, greedy)
         return (feats, *blocks)
 
-    if a.minutes and not a.steps:
-        rng = np.random.default_rng(a.seed)
-        for _ in range(2):  # the first call pays one-time costs
-            tic = time.perf_counter()
-            with numpy_exp(model, draft):
-                mx.eval(grad(draft, target, *inputs(range(min(a.batch_size, len(seqs))), rng), weights))
-        steps = max(1, int(a.minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
-        print(f"{steps} steps fit in {a.minutes:g} min", file=log)
-    opt = optim.AdamW(make_schedule(a.lr, steps, int(a.warmup * steps)), weight_decay=a.weight_decay)
-    opt.init(draft.trainable_parameters())
-    outp = Path(out)
-    step = 0
-    if resume:
-        step = _load_state(draft, opt, outp)
-        draft.fc.weight = draft.fc.weight * scale[None]
-        print(f"resuming at step {step}/{steps}", file=log)
+    return inputs
 
-    def step_fn(feats, blocks, anchors, labels, valid):
+
+def _grad_fn(model, target: Target, draft: DFlashDraft, a: TrainArgs):
+    """``grad_fn(feats, blocks, anchors, labels, valid)``: ((loss, (acc, tau)),
+    gradients) of the draft, offset k weighted by exp(-(k-1)/gamma)."""
+    gamma = a.gamma or default_gamma(a.block_size)
+    weights = mx.exp(-mx.arange(a.block_size - 1, dtype=mx.float32) / gamma)
+    grad = nn.value_and_grad(draft, loss_fn)
+
+    def grad_fn(feats, blocks, anchors, labels, valid):
         with numpy_exp(model, draft):  # MLX-CPU's exp is slow; decoding never runs this
-            (loss, (acc, tau)), g = grad(draft, target, feats, blocks, anchors, labels, valid, weights)
-        g, _ = optim.clip_grad_norm(g, 1.0)
-        opt.update(draft, g)
-        return loss, acc, tau
+            return grad(draft, target, feats, blocks, anchors, labels, valid, weights)
+
+    return grad_fn
+
+
+def _steps_in(minutes: float, grad_fn, inputs, seqs: List[Sequence], a: TrainArgs, log) -> int:
+    """How many steps fit in ``minutes``, from the time of one."""
+    rng = np.random.default_rng(a.seed)
+    for _ in range(2):  # the first call pays one-time costs
+        tic = time.perf_counter()
+        mx.eval(grad_fn(*inputs(range(min(a.batch_size, len(seqs))), rng)))
+    steps = max(1, int(minutes * 60 / ((time.perf_counter() - tic) * 1.1)))
+    print(f"{steps} steps fit in {minutes:g} min", file=log)
+    return steps
+
+
+def _run_steps(draft: DFlashDraft, opt, grad_fn, inputs, seqs: List[Sequence], a: TrainArgs, step: int, steps: int,
+           log, on_step):
+    """Run steps ``step`` to ``steps`` on batches of ``seqs`` shuffled once an
+    epoch, showing their progress; yield the number done after each."""
     rng = np.random.default_rng(a.seed + step)
     order = rng.permutation(len(seqs))
     pos = (step * a.batch_size) % len(seqs)
@@ -410,7 +457,9 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         index = order[pos : pos + a.batch_size]
         pos += a.batch_size
         feats, blocks, anchors, labels, valid = inputs(index, rng)
-        loss, acc, tau = step_fn(feats, blocks, anchors, labels, valid)
+        (loss, (acc, tau)), g = grad_fn(feats, blocks, anchors, labels, valid)
+        g, _ = optim.clip_grad_norm(g, 1.0)
+        opt.update(draft, g)
         mx.eval(draft.parameters(), opt.state, loss, acc, tau)
         if on_step is not None:
             on_step(step + 1, loss.item(), acc.tolist(), tau.item())
@@ -418,12 +467,8 @@ def train(model, tokenizer, seqs: List[Sequence], out: str, a: TrainArgs, resume
         accs = acc.tolist()
         shown = " ".join(f"@{k}:{accs[k - 1]:.2f}" for k in (1, 2, 4, 8, 15) if k <= len(accs))
         bar.update(step + 1, blocks.size + feats.shape[0] * feats.shape[1], f"loss {ema:.3f} acc {shown} tau~{tau.item():.2f}")
-        if a.checkpoint_every and (step + 1) % a.checkpoint_every == 0 and step + 1 < steps:
-            _save(draft, opt, outp, step + 1, scale)
+        yield step + 1
     bar.close()
-    _save(draft, opt, outp, steps, scale)
-    draft.fc.weight = draft.fc.weight / scale[None]
-    return draft
 
 
 def feature_scale(feats) -> mx.array:

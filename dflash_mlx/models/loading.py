@@ -204,12 +204,50 @@ def load_draft(
             LM head are the target's and stay as they are.
         group_size: The quantization group size.
     """
+    _check_quantization(bits, group_size)
+    path = _draft_folder(path_or_repo)
+    config = DFlashConfig.from_file(path / "config.json")
+    draft = (DFlash2Draft if config.dflash2 else DFlashDraft)(config)
+    stored = _stored_quantization(config, path)
+    weights = _read_weights(path)
+    if "speculators_model_type" in config.extra:
+        _speculators_vocab(config, weights, path)
+    if stored is not None:
+        # The quantized structure first, so names and shapes can be checked.
+        _quantize_as_stored(draft, stored, weights, path)
+    _check_weights(draft, weights, stored, path)
+    dtype = dtype or (mx.float32 if _on_cpu() else None)
+    if dtype is not None:
+        # Quantized weights are integers: only floats change type.
+        weights = {
+            k: w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
+            for k, w in weights.items()
+        }
+    draft.update(tree_unflatten(list(weights.items())))
+    if bits is not None and stored is None:
+        _quantize(draft, bits, group_size, lambda p, m: m.weight.shape[1] % group_size == 0)
+    elif bits is not None and (bits, group_size) != (stored["bits"], stored["group_size"]):
+        raise DraftConfigError(
+            f"The draft in {path} is stored quantized ({stored['bits']} bits, group size "
+            f"{stored['group_size']}); load it without bits, or from an unquantized copy."
+        )
+    mx.eval(draft.parameters())
+    draft.eval()
+    return draft
+
+
+def _check_quantization(bits: Optional[int], group_size: int) -> None:
+    """Refuse a ``bits`` or ``group_size`` that MLX cannot quantize with."""
     if bits is not None and (bits not in _BITS or isinstance(bits, bool)):
         raise DraftConfigError(f"Draft bits must be one of {', '.join(map(str, _BITS))}, got {bits!r}.")
     if not isinstance(group_size, int) or group_size not in _GROUPS:
         raise DraftConfigError(
             f"Draft group_size must be one of {', '.join(map(str, _GROUPS))}, got {group_size!r}."
         )
+
+
+def _draft_folder(path_or_repo: str) -> Path:
+    """The local folder of a draft, downloaded first for a hub id."""
     path = _local(path_or_repo, "Draft")
     if path is None:
         from huggingface_hub import snapshot_download
@@ -218,9 +256,11 @@ def load_draft(
             path = Path(snapshot_download(path_or_repo, allow_patterns=["*.json", "*.safetensors"]))
         except Exception as e:  # network, auth, offline mode, unknown repo
             raise _hub_error("draft", path_or_repo, e) from None
-    config = DFlashConfig.from_file(path / "config.json")
-    draft = (DFlash2Draft if config.dflash2 else DFlashDraft)(config)
-    stored = _stored_quantization(config, path)
+    return path
+
+
+def _read_weights(path: Path) -> dict:
+    """All the draft's weights in ``path``, by name."""
     # model.safetensors or shards model-0000x-of-0000y.safetensors; other
     # safetensors files in the folder (e.g. a trainer's) are not weights.
     files = sorted(glob.glob(str(path / "model*.safetensors")))
@@ -234,18 +274,24 @@ def load_draft(
             raise DraftWeightsError(
                 f"{f} is not a readable safetensors file ({e}); download it again."
             ) from None
-    if "speculators_model_type" in config.extra:
-        _speculators_vocab(config, weights, path)
-    if stored is not None:
-        # The quantized structure first, so names and shapes can be checked.
-        gs, b = stored["group_size"], stored["bits"]
-        try:
-            _quantize(draft, b, gs, lambda p, m: f"{p}.scales" in weights)
-        except ValueError:  # a layer the group size does not divide
-            raise DraftWeightsError(
-                f"Draft weights in {path} do not fit its quantization entry (group_size "
-                f"{gs}, bits {b}): some quantized layer's input size is not a multiple of {gs}."
-            ) from None
+    return weights
+
+
+def _quantize_as_stored(draft: DFlashDraft, stored: dict, weights: dict, path: Path) -> None:
+    """Quantize the layers ``weights`` holds quantized, as config.json's
+    ``stored`` entry says."""
+    gs, b = stored["group_size"], stored["bits"]
+    try:
+        _quantize(draft, b, gs, lambda p, m: f"{p}.scales" in weights)
+    except ValueError:  # a layer the group size does not divide
+        raise DraftWeightsError(
+            f"Draft weights in {path} do not fit its quantization entry (group_size "
+            f"{gs}, bits {b}): some quantized layer's input size is not a multiple of {gs}."
+        ) from None
+
+
+def _check_weights(draft: DFlashDraft, weights: dict, stored: Optional[dict], path: Path) -> None:
+    """Refuse ``weights`` whose names or shapes are not the draft's."""
     expected = dict(tree_flatten(draft.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -271,24 +317,6 @@ def load_draft(
                 f"Draft weight '{k}' has shape {tuple(w.shape)}, config.json implies "
                 f"{tuple(expected[k].shape)}{hint}."
             )
-    dtype = dtype or (mx.float32 if _on_cpu() else None)
-    if dtype is not None:
-        # Quantized weights are integers: only floats change type.
-        weights = {
-            k: w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
-            for k, w in weights.items()
-        }
-    draft.update(tree_unflatten(list(weights.items())))
-    if bits is not None and stored is None:
-        _quantize(draft, bits, group_size, lambda p, m: m.weight.shape[1] % group_size == 0)
-    elif bits is not None and (bits, group_size) != (stored["bits"], stored["group_size"]):
-        raise DraftConfigError(
-            f"The draft in {path} is stored quantized ({stored['bits']} bits, group size "
-            f"{stored['group_size']}); load it without bits, or from an unquantized copy."
-        )
-    mx.eval(draft.parameters())
-    draft.eval()
-    return draft
 
 
 def _speculators_vocab(config: DFlashConfig, weights: dict, path: Path) -> None:

@@ -123,6 +123,44 @@ def test_useless_draft_costs_the_budget_in_every_generation(modelled, loaded, dr
     assert loss <= Policy.of(draft).budget * spent + 1.6, (loss, spent)
 
 
+def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draft_for, monkeypatch):
+    """As on MLX-CPU, the target runs slower right after a draft pass (here
+    its next three forwards cost 2 units more each, most of it in the plain
+    step after the probe): a useless draft's probes still lose no more than
+    the budget, slowdown included."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    cold, forward, propose = [0], Target.forward, DFlashDraft.propose
+
+    def slowed_forward(self, *a, **k):
+        modelled[0] += 2 * (cold[0] > 0)
+        cold[0] = max(cold[0] - 1, 0)
+        return forward(self, *a, **k)
+
+    def chilling_propose(self, *a, **k):
+        cold[0] = 3
+        return propose(self, *a, **k)
+
+    monkeypatch.setattr(Target, "forward", slowed_forward)
+    monkeypatch.setattr(DFlashDraft, "propose", chilling_propose)
+    prompt = PROMPTS[0]
+    auto_run(model, draft, tok, prompt, max_tokens=60)  # the full block and plain steps are timed
+    start, made, probes = modelled[0], 0, 0
+    for _ in range(6):
+        cold[0] = 0
+        _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
+        made += sum(a for _, a, _ in rounds)
+        probes += sum(d for _, _, d in rounds)
+    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    spent = modelled[0] - start
+    loss = spent - 6 * prefill - made
+    # Over its window the budget may have been unspent when this began, and
+    # one probe (6.6 units: 1.6 + 3 x 2 - 1) may go over it.
+    policy = Policy.of(draft)
+    assert probes >= 3, probes  # the draft is still tried now and then
+    assert loss <= policy.budget * (spent + policy.window) + 6.6, (loss, spent, probes)
+
+
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     """An always-right draft: the full block, once the plain step is timed."""
     model, tok, folder = loaded("qwen3", tied=True)

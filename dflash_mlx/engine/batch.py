@@ -131,7 +131,7 @@ class Batch:
             if len(self.rows) == 1:  # the last one goes on alone
                 alone = self.rows[keys[1 - i]].dec
                 alone.cache = [c.extract(1 - i) for c in self.cache]
-                alone._last, alone._run, alone._tick = None, 0, _policy.clock()  # timed afresh
+                alone._last, alone._run, alone._before, alone._tick = None, 0, None, _policy.clock()  # timed afresh
                 self.cache = None
             else:
                 for c in self.cache:

@@ -430,7 +430,9 @@ class _Decoder:
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
         self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
-        self._lags = []  # under mlx.launch: [length, microseconds, rounds] not yet agreed
+        self._prev = 0.0  # when the round before the last one ended
+        self._before = None  # after a switch to drafting: what the plain step before it took (see _learn)
+        self._lags = []  # under mlx.launch: [length (0: a charge), microseconds, rounds] not yet agreed
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -564,6 +566,8 @@ class _Decoder:
         if self.tuner is not None:
             self.tuner.remember(draft)
         if self.policy is not None:
+            if self._run and group() is None:  # the last plain steps count in the budget's time
+                self.policy.time(1, (self._tick - self._start) / self._run, rounds=self._run)
             self.policy.end()
 
     def _learn(self, length: int, accepted: int, took: bool = True) -> None:
@@ -573,15 +577,27 @@ class _Decoder:
         step's work lands in the round that queued it. A drafting round is
         timed from the end of the last one; after plain steps only against
         the policy's budget (it reads their features too). Under mlx.launch,
-        rank 0's times, a round late."""
+        rank 0's times, a round late.
+
+        The plain steps next to a switch to drafting run slower than the
+        switch's own time shows (on MLX-CPU a probe lost 2x what it took
+        beyond a plain step): the one before it and the one after, which do
+        two steps' work between them (the one before queues none, the one
+        after queues the next), are charged against the probes' budget for
+        what they took beyond two plain steps."""
         now, drafted = _policy.clock(), length > 1
         if self.policy is not None:
+            if self._before is not None and not drafted:
+                self._charge(now)
+            self._before = None
             if drafted:
                 self.policy.learn(length, [accepted])
                 if self._run:
                     self._time(1, (self._tick - self._start) / self._run, self._run)
-                if self.rounds:  # after plain steps it also reads their features
-                    self._time(length, now - self._tick, 1, book=bool(self._last))
+                # After plain steps (or the prompt) it also reads their features.
+                self._time(length, now - self._tick, 1, book=bool(self._last))
+                if not self._last:
+                    self._before = self._tick - self._prev if self._run else 0.0
                 self._run = 0
             else:
                 self._start = self._start if self._run else self._tick
@@ -591,10 +607,18 @@ class _Decoder:
                     self._run = 0
             if took:
                 self.policy.took(length)
-        self._tick, self._last = now, drafted
+        self._prev, self._tick, self._last = self._tick, now, drafted
+
+    def _charge(self, now: float) -> None:
+        """Charge the plain steps next to the last switch (see :meth:`_learn`)."""
+        step = self.policy.seconds(1)
+        if step is not None:
+            self._time(0, self._before + now - self._tick - 2 * step, 1)
 
     def _time(self, length: int, seconds: float, rounds: int, book: bool = True) -> None:
-        if group() is None:
+        if group() is None and length == 0:
+            self.policy.charge(seconds)
+        elif group() is None:
             self.policy.time(length, seconds, rounds=rounds, book=book)
         else:  # sent with the next round's tokens (a round not booked: its length negated)
             self._lags.append([length if book else -length, int(seconds * 1e6), rounds])
@@ -609,7 +633,9 @@ class _Decoder:
         self._lags = []
         out = agree(mx.concatenate([values, mx.array(sum(lags, []), mx.int32)]), block).tolist()
         for length, us, rounds in zip(out[-6::3], out[-5::3], out[-4::3]):
-            if rounds:
+            if rounds and length == 0:
+                self.policy.charge(us / 1e6)
+            elif rounds:
                 self.policy.time(abs(length), us / 1e6, rounds=rounds, book=length > 0)
         return out[:-6]
 

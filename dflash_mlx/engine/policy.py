@@ -17,9 +17,10 @@ tokens per second of the loop's own wall clock:
 
 While plain steps win, the best drafting round still runs now and then, so
 that a draft that starts to help is found again, but only while what such
-rounds lost against plain steps stays within ``budget`` of the loop's recent
-time: a useless draft costs at most that share (after its first rounds),
-on any pair.
+rounds lost against plain steps (with what the plain steps next to them
+took beyond their time: the loop's caller charges it) stays within
+``budget`` of the loop's recent time: a useless draft costs at most that
+share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -166,6 +167,12 @@ class Policy:
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1
 
+    def charge(self, seconds: float, width: int = 1) -> None:
+        """Count ``seconds`` that plain steps next to a probe took beyond
+        their time against the budget (while plain steps win)."""
+        if self.timed(1, width) and self.best(width=width) == 1:
+            self.lost = max(self.lost + seconds, 0.0)
+
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
@@ -174,6 +181,8 @@ class Policy:
             self.untimed += 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 3
+        elif self.timed(1, width) and self.best(width=width) == 1:  # a probe: then plain steps, the
+            self.skip = 2  # first queueing the next, as the charge for them assumes
 
     def end(self) -> None:
         """A generation ended: its last plain steps, not timed yet, never will be."""

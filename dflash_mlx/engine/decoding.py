@@ -616,12 +616,18 @@ class _Decoder:
             self._time(0, self._before + now - self._tick - 2 * step, 1)
 
     def _time(self, length: int, seconds: float, rounds: int, book: bool = True) -> None:
-        if group() is None and length == 0:
+        code = length if book else -length  # a round not booked: its length negated; 0: a charge
+        if group() is None:
+            self._book(code, seconds, rounds)
+        else:  # sent with the next round's tokens
+            self._lags.append([code, int(seconds * 1e6), rounds])
+
+    def _book(self, code: int, seconds: float, rounds: int) -> None:
+        """Give the policy a time coded as :meth:`_time` codes it."""
+        if code == 0:
             self.policy.charge(seconds)
-        elif group() is None:
-            self.policy.time(length, seconds, rounds=rounds, book=book)
-        else:  # sent with the next round's tokens (a round not booked: its length negated)
-            self._lags.append([length if book else -length, int(seconds * 1e6), rounds])
+        else:
+            self.policy.time(abs(code), seconds, rounds=rounds, book=code > 0)
 
     def _agree(self, values: mx.array, block: mx.array) -> List[int]:
         """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch
@@ -633,10 +639,8 @@ class _Decoder:
         self._lags = []
         out = agree(mx.concatenate([values, mx.array(sum(lags, []), mx.int32)]), block).tolist()
         for length, us, rounds in zip(out[-6::3], out[-5::3], out[-4::3]):
-            if rounds and length == 0:
-                self.policy.charge(us / 1e6)
-            elif rounds:
-                self.policy.time(abs(length), us / 1e6, rounds=rounds, book=length > 0)
+            if rounds:
+                self._book(length, us / 1e6, rounds)
         return out[:-6]
 
     def _step(self, token: mx.array, pos: int):

@@ -142,6 +142,10 @@ class Policy:
                 self.hits[i] += i < a
                 self.trials[i] += 1
 
+    def plain_wins(self, width: int = 1) -> bool:
+        """Whether plain steps are timed and win (a drafting round now is a probe)."""
+        return self.timed(1, width) and self.best(width=width) == 1
+
     def timed(self, length: int, width: int = 1) -> bool:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""
         return self.times.get((width, length), [0, 0])[1] >= TRUST
@@ -157,7 +161,7 @@ class Policy:
         keep = max(1 - rounds / self.window, 0.0)
         self.lost *= keep
         self.spent = self.spent * keep + seconds * rounds
-        if length > 1 and self.timed(1, width) and self.best(width=width) == 1:  # a probe
+        if length > 1 and self.plain_wins(width):  # a probe
             self.lost = max(self.lost + seconds - self.made * self.seconds(1, width), 0.0)
         if length == 1:
             self.untimed = max(self.untimed - rounds, 0)
@@ -170,7 +174,7 @@ class Policy:
     def charge(self, seconds: float, width: int = 1) -> None:
         """Count ``seconds`` that plain steps next to a probe took beyond
         their time against the budget (while plain steps win)."""
-        if self.timed(1, width) and self.best(width=width) == 1:
+        if self.plain_wins(width):
             self.lost = max(self.lost + seconds, 0.0)
 
     def took(self, length: int, width: int = 1) -> None:
@@ -181,11 +185,11 @@ class Policy:
             self.untimed += 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 3
-        elif self.timed(1, width) and self.best(width=width) == 1:  # a probe: then plain steps, the
+        elif self.plain_wins(width):  # a probe: then plain steps, the
             self.skip = 2  # first queueing the next, as the charge for them assumes
 
     def end(self) -> None:
-        """A generation ended: its last plain steps, not timed yet, never will be."""
+        """A generation ended: plain steps not timed by then never will be."""
         self.untimed = 0
 
     @staticmethod

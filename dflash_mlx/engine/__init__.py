@@ -1,3 +1,4 @@
-"""The decoding engine: the speculative loop (decoding), batched decoding
-(batch), the block-size policy and proposals, sampling, cache rollback, and
-the draft and target wrappers."""
+"""The decoding engine: the speculative loop (decoding) and its argument
+checks (checks), batched decoding (batch), the block-size policy and the
+round times it learns from (policy, timing), proposals, sampling, cache
+rollback, and the draft and target wrappers."""

@@ -18,7 +18,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .decoding import DraftCache, GenerationResponse, _check_args, _check_vocab, _Decoder, _prompt_ids, _take, _drawing
+from .checks import check_args, check_vocab, prompt_ids
+from .decoding import DraftCache, GenerationResponse, _Decoder, _drawing, _response, _take
 from ..models.distributed import group
 from .draft import DFlashDraft
 from ..errors import GenerationArgumentError, UnsupportedModelError
@@ -59,7 +60,7 @@ class Batch:
                  block_size: Union[int, str, None] = None):
         if group() is not None:
             raise GenerationArgumentError("Batched generation runs in one process, not under mlx.launch.")
-        self.bs = _check_args(draft, block_size, 1, 0.0, 0.0, 0, 0.0, None)
+        self.bs = check_args(draft, block_size, 1, 0.0, 0.0, 0, 0.0, None)
         if draft is not None:
             check_compatible(draft, model)
         self.target = Target(model)
@@ -90,15 +91,15 @@ class Batch:
         """Prefill a new row and return its key. ``prompt_cache`` /
         ``draft_cache`` continue earlier turns as in :func:`.stream_generate`;
         the prompt cache is refilled when the row leaves the batch."""
-        _check_args(self.draft, self.bs, max_tokens, temperature, top_p, top_k, min_p, seed)
-        ids = _prompt_ids(self.tokenizer, prompt)
-        _check_vocab(ids, self.target.vocab_rows)
+        check_args(self.draft, self.bs, max_tokens, temperature, top_p, top_k, min_p, seed)
+        ids = prompt_ids(self.tokenizer, prompt)
+        check_vocab(ids, self.target.vocab_rows)
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
         dec = _Decoder(self.target, self.draft, None, list(cache), False, draft_cache,
-                       **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed))
-        dec.policy = self.policy
+                       **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed),
+                       policy=self.policy)
         tic = time.perf_counter()
         first = dec.prefill(ids, prefill_step_size)
         mx.eval([c.state for c in dec.cache])
@@ -131,7 +132,7 @@ class Batch:
             if len(self.rows) == 1:  # the last one goes on alone
                 alone = self.rows[keys[1 - i]].dec
                 alone.cache = [c.extract(1 - i) for c in self.cache]
-                alone._last, alone._run, alone._before, alone._tick = None, 0, None, _policy.clock()  # timed afresh
+                alone.timer.start()  # timed afresh
                 self.cache = None
             else:
                 for c in self.cache:
@@ -198,7 +199,7 @@ class Batch:
             row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0])
 
     def _learn(self, length: int, accepted: List[int], width: int) -> None:
-        """Teach the policy a batched round (timed as in :meth:`._Decoder._learn`)."""
+        """Teach the policy a batched round (timed as :class:`.RoundTimer` times one row's)."""
         now, kind = _policy.clock(), (width, length > 1)
         if self.policy is not None:
             if accepted:
@@ -221,15 +222,8 @@ class Batch:
             self.remove(key)
         row.history.extend(new)
         row.out = []
-        d = row.dec
-        return GenerationResponse(
-            text=row.detok.last_segment, token=new[-1], tokens=new, accepted=len(tokens),
-            prompt_tokens=len(row.ids), prompt_tps=row.prompt_tps, generation_tokens=row.n,
-            generation_tps=row.n / max(time.perf_counter() - row.tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish, rounds=d.rounds,
-            committed=d.committed, verified=d.verified, from_draft=len(tokens) > 1,
-            logprobs=d.logprobs[: len(new)],
-        )
+        return _response(row.dec, tokens, new, row.detok.last_segment, row.n, finish, len(row.ids),
+                         row.prompt_tps, row.tic)
 
 
 def batch_generate(model: nn.Module, draft: Optional[DFlashDraft], tokenizer, prompts: List,

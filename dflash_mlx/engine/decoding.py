@@ -11,10 +11,10 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..models.distributed import agree, group
+from .checks import check_args, check_variants, check_vocab, prompt_ids
 from .draft import DFlashDraft
 from ..errors import GenerationArgumentError
 from ..models.loading import check_compatible
-from . import policy as _policy
 from .policy import Policy
 from .proposal import Tuner
 from .rollback import rollback, trims_exactly
@@ -32,6 +32,7 @@ from .sampling import (
     speculative,
 )
 from .target import Target
+from .timing import RoundTimer
 
 
 @dataclass
@@ -125,28 +126,6 @@ class DraftCache:
             c.trim(n)
 
 
-def _prompt_ids(tokenizer: TokenizerWrapper, prompt) -> List[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise GenerationArgumentError("The prompt is empty; give some text.")
-        bos = tokenizer.bos_token
-        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    elif isinstance(prompt, mx.array):
-        ids = prompt.reshape(-1).tolist()
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise GenerationArgumentError("The prompt has no tokens; give some text.")
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise GenerationArgumentError("A token prompt must hold integer ids only.")
-    return ids
-
-
-def _check_vocab(ids: List[int], rows: int) -> None:
-    if min(ids) < 0 or max(ids) >= rows:
-        raise GenerationArgumentError(f"The prompt holds token ids outside the model's vocabulary (0..{rows - 1}).")
-
-
 def _take(tokens: List[int], n: int, max_tokens: int, eos: set, detok):
     """A round's tokens committed up to an EOS or ``max_tokens`` (``n``
     generated before them) and detokenized: (new tokens, n, finish reason)."""
@@ -166,54 +145,29 @@ def _take(tokens: List[int], n: int, max_tokens: int, eos: set, detok):
     return new, n, finish
 
 
-def _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed):
-    trained = draft.block_size if draft is not None else 1
-    if block_size is None or (isinstance(block_size, str) and block_size == "auto"):
-        block_size = "auto" if trained > 1 else 1
-    elif not isinstance(block_size, int) or block_size < 1:
-        raise GenerationArgumentError(
-            f"block_size must be a positive integer or 'auto', got {block_size!r}."
-        )
-    if draft is None and block_size > 1:
-        raise GenerationArgumentError("block_size > 1 needs a draft; pass one, or block_size=1.")
-    if block_size != "auto" and block_size > trained:
-        raise GenerationArgumentError(
-            f"block_size {block_size} is larger than the draft was trained for "
-            f"({trained}); use {trained} or less."
-        )
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise GenerationArgumentError(f"max_tokens must be a positive integer, got {max_tokens!r}.")
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise GenerationArgumentError(f"temperature must be >= 0, got {temperature!r}.")
-    if top_p and not 0 < top_p <= 1:
-        raise GenerationArgumentError(f"top_p must be in (0, 1], got {top_p!r}.")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise GenerationArgumentError(f"top_k must be a non-negative integer, got {top_k!r}.")
-    if not 0 <= min_p <= 1:
-        raise GenerationArgumentError(f"min_p must be in [0, 1], got {min_p!r}.")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise GenerationArgumentError(f"seed must be an integer, got {seed!r}.")
-    return block_size
-
-
-def _check_variants(accept_threshold, denoise_steps, proposal, sampler):
-    if accept_threshold is not None and (
-        isinstance(accept_threshold, bool)
-        or not isinstance(accept_threshold, (int, float))
-        or not 0 < accept_threshold <= 1
-    ):
-        raise GenerationArgumentError(
-            f"accept_threshold must be in (0, 1] or None, got {accept_threshold!r}."
-        )
-    if isinstance(denoise_steps, bool) or not isinstance(denoise_steps, int) or denoise_steps < 1:
-        raise GenerationArgumentError(f"denoise_steps must be a positive integer, got {denoise_steps!r}.")
-    if proposal not in (None, "argmax", "sample"):
-        raise GenerationArgumentError(f"proposal must be 'argmax', 'sample' or None, got {proposal!r}.")
-    if proposal == "sample" and sampler is not None:
-        raise GenerationArgumentError(
-            "proposal='sample' needs the target's probabilities: use temperature/top_p/top_k/min_p, "
-            "not a custom sampler."
-        )
+def _response(dec: "_Decoder", tokens: List[int], new: List[int], text: str, n: int,
+              finish: Optional[str], prompt_tokens: int, prompt_tps: float, tic: float) -> GenerationResponse:
+    """The response to a round of ``dec`` that committed ``tokens``, ``new``
+    of them reported (see :func:`_take`), ``n`` tokens generated since ``tic``."""
+    return GenerationResponse(
+        text=text,
+        token=new[-1],
+        tokens=new,
+        accepted=len(tokens),
+        prompt_tokens=prompt_tokens,
+        prompt_tps=prompt_tps,
+        generation_tokens=n,
+        generation_tps=n / max(time.perf_counter() - tic, 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason=finish,
+        rounds=dec.rounds,
+        committed=dec.committed,
+        verified=dec.verified,
+        timing=dec.timing,
+        from_draft=len(tokens) > 1,
+        exact=dec.threshold is None,
+        logprobs=dec.logprobs[: len(new)],
+    )
 
 
 def stream_generate(
@@ -293,16 +247,16 @@ def stream_generate(
             ``None`` (default): ``"sample"`` when sampling with
             temperature/filters, ``"argmax"`` with a custom sampler.
     """
-    bs = _check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
-    _check_variants(accept_threshold, denoise_steps, proposal, sampler)
+    bs = check_args(draft, block_size, max_tokens, temperature, top_p, top_k, min_p, seed)
+    check_variants(accept_threshold, denoise_steps, proposal, sampler)
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    ids = _prompt_ids(tokenizer, prompt)
+    ids = prompt_ids(tokenizer, prompt)
     if draft is not None:
         check_compatible(draft, model)
     target = Target(model)
     top = draft.block_size if bs == "auto" else bs
-    _check_vocab(ids, target.vocab_rows)
+    check_vocab(ids, target.vocab_rows)
     if draft_cache is not None and (prompt_cache is None or top == 1):
         raise GenerationArgumentError(
             "draft_cache goes with a prompt_cache and a draft that drafts (block_size > 1)."
@@ -320,6 +274,7 @@ def stream_generate(
         threshold=accept_threshold,
         steps=denoise_steps,
         **_drawing(target, drafter, prompt_cache, temperature, top_p, min_p, top_k, seed, sampler, proposal),
+        policy=Policy.of(draft) if bs == "auto" else None,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer
@@ -327,8 +282,6 @@ def stream_generate(
     history = list(ids)
 
     with wired_limit(model, [generation_stream]):
-        if bs == "auto":
-            dec.policy = Policy.of(draft)
         tic = time.perf_counter()
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
@@ -341,25 +294,7 @@ def stream_generate(
             while True:
                 new, n, finish = _take(tokens, n, max_tokens, eos, detok)
                 history.extend(new)
-                yield GenerationResponse(
-                    text=detok.last_segment,
-                    token=new[-1],
-                    tokens=new,
-                    accepted=len(tokens),
-                    prompt_tokens=len(ids),
-                    prompt_tps=prompt_tps,
-                    generation_tokens=n,
-                    generation_tps=n / max(time.perf_counter() - tic, 1e-9),
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    finish_reason=finish,
-                    rounds=dec.rounds,
-                    committed=dec.committed,
-                    verified=dec.verified,
-                    timing=dec.timing,
-                    from_draft=len(tokens) > 1,
-                    exact=accept_threshold is None,
-                    logprobs=dec.logprobs[: len(new)],
-                )
+                yield _response(dec, tokens, new, detok.last_segment, n, finish, len(ids), prompt_tps, tic)
                 if finish:
                     return
                 with target.lock, mx.stream(generation_stream):
@@ -397,7 +332,7 @@ class _Decoder:
 
     def __init__(
         self, target, draft, processors, cache, profile, dstate=None, sampler=None, greedy=False,
-        threshold=None, steps=1, dist=None, draw=None, noise=None, tuner=None,
+        threshold=None, steps=1, dist=None, draw=None, noise=None, tuner=None, policy=None,
     ):
         self.target, self.draft = target, draft
         self.threshold, self.steps, self.dist = threshold, steps, dist or make_distribution()
@@ -416,7 +351,7 @@ class _Decoder:
             vocab = draft.config.draft_vocab
             self.vocab = mx.array(vocab) if vocab else None
             self.head = target.head_over(self.vocab) if vocab else target.head
-        self.policy: Optional[Policy] = None  # chooses each round's length ("auto")
+        self.policy = policy  # chooses each round's length ("auto"); the timer teaches it
         self.rounds, self.committed, self.verified, self.timing = 0, 0, 0, None
         # Plain steps run pipelined as mlx-lm's own loop does (the next step is
         # queued on the lazily chosen token before this one is read) where a
@@ -427,12 +362,7 @@ class _Decoder:
         self.ahead = None  # the queued step: (token [1] or [2], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
-        self._tick = None  # when the last round (or the prefill) ended
-        self._last = None  # whether the last round drafted
-        self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
-        self._prev = 0.0  # when the round before the last one ended
-        self._before = None  # after a switch to drafting: what the plain step before it took (see _learn)
-        self._lags = []  # under mlx.launch: [length (0: a charge), microseconds, rounds] not yet agreed
+        self.timer = RoundTimer(policy)
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""
@@ -446,7 +376,7 @@ class _Decoder:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
         first = agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
-        self._tick = _policy.clock()
+        self.timer.start()
         return first
 
     def rows(self, logits: mx.array, logp: mx.array) -> mx.array:
@@ -489,7 +419,7 @@ class _Decoder:
         clock.lap("verify", logits)
         out, a = self._choose(logits, history, block, proposal, q=q)
         rollback(self.cache, tape, a + 1, block.shape[0])
-        self._learn(length, a)
+        self.timer.learn(length, a)
         out = self.commit(out, a, f, block.shape[0])
         clock.lap("accept", [c.state for c in self.cache])
         self.timing = clock.laps if self.profile else None
@@ -554,7 +484,7 @@ class _Decoder:
             out = token
         if f is not None:
             self.dstate.extend(f)
-        self._learn(1, 0, took=False)
+        self.timer.learn(1, 0, took=False)
         self.rounds += 1
         self.committed += 1
         self.verified = 1
@@ -565,83 +495,7 @@ class _Decoder:
         (the policy is kept per draft as it learns)."""
         if self.tuner is not None:
             self.tuner.remember(draft)
-        if self.policy is not None:
-            if self._run and group() is None:  # the last plain steps count in the budget's time
-                self.policy.time(1, (self._tick - self._start) / self._run, rounds=self._run)
-            self.policy.end()
-
-    def _learn(self, length: int, accepted: int, took: bool = True) -> None:
-        """Teach the policy a round whose tokens were just read, and time it.
-        Plain steps are timed by the stretch, from the end of the round before
-        the first to the end of the last, over their number: a pipelined
-        step's work lands in the round that queued it. A drafting round is
-        timed from the end of the last one; after plain steps only against
-        the policy's budget (it reads their features too). Under mlx.launch,
-        rank 0's times, a round late.
-
-        The plain steps next to a switch to drafting run slower than the
-        switch's own time shows (on MLX-CPU a probe lost 2x what it took
-        beyond a plain step): the one before it and the one after, which do
-        two steps' work between them (the one before queues none, the one
-        after queues the next), are charged against the probes' budget for
-        what they took beyond two plain steps."""
-        now, drafted = _policy.clock(), length > 1
-        if self.policy is not None:
-            if self._before is not None and not drafted:
-                self._charge(now)
-            self._before = None
-            if drafted:
-                self.policy.learn(length, [accepted])
-                if self._run:
-                    self._time(1, (self._tick - self._start) / self._run, self._run)
-                # After plain steps (or the prompt) it also reads their features.
-                self._time(length, now - self._tick, 1, book=bool(self._last))
-                if not self._last:
-                    self._before = self._tick - self._prev if self._run else 0.0
-                self._run = 0
-            else:
-                self._start = self._start if self._run else self._tick
-                self._run += 1
-                if self._run >= 3 and not self.policy.timed(1):  # no need to wait for a drafting round
-                    self._time(1, (now - self._start) / self._run, self._run)
-                    self._run = 0
-            if took:
-                self.policy.took(length)
-        self._prev, self._tick, self._last = self._tick, now, drafted
-
-    def _charge(self, now: float) -> None:
-        """Charge the plain steps next to the last switch (see :meth:`_learn`)."""
-        step = self.policy.seconds(1)
-        if step is not None:
-            self._time(0, self._before + now - self._tick - 2 * step, 1)
-
-    def _time(self, length: int, seconds: float, rounds: int, book: bool = True) -> None:
-        code = length if book else -length  # a round not booked: its length negated; 0: a charge
-        if group() is None:
-            self._book(code, seconds, rounds)
-        else:  # sent with the next round's tokens
-            self._lags.append([code, int(seconds * 1e6), rounds])
-
-    def _book(self, code: int, seconds: float, rounds: int) -> None:
-        """Give the policy a time coded as :meth:`_time` codes it."""
-        if code == 0:
-            self.policy.charge(seconds)
-        else:
-            self.policy.time(abs(code), seconds, rounds=rounds, book=code > 0)
-
-    def _agree(self, values: mx.array, block: mx.array) -> List[int]:
-        """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch
-        the policy also gets rank 0's times of the last round, so that every
-        rank chooses the same lengths."""
-        if group() is None or self.policy is None:
-            return agree(values, block).tolist()
-        lags = (self._lags + [[0, 0, 0]] * 2)[:2]
-        self._lags = []
-        out = agree(mx.concatenate([values, mx.array(sum(lags, []), mx.int32)]), block).tolist()
-        for length, us, rounds in zip(out[-6::3], out[-5::3], out[-4::3]):
-            if rounds:
-                self._book(length, us / 1e6, rounds)
-        return out[:-6]
+        self.timer.end()
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position
@@ -676,7 +530,8 @@ class _Decoder:
             p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, near)
-            out = self._agree(mx.concatenate([choice, mx.stack([a, mx.array(0)]).astype(mx.int32)]), block)
+            tail = mx.stack([a, mx.array(0)]).astype(mx.int32)
+            out = self.timer.agree(mx.concatenate([choice, tail]), block)
             self._tune(out[block.shape[0]], proposal.shape[0], p, probs=True)
             return out, out[block.shape[0]]
         if self.noise is not None:
@@ -696,7 +551,7 @@ class _Decoder:
             drafts = mx.concatenate([proposal.astype(choice.dtype), choice[-1:]])
             choice = mx.where(mx.arange(choice.shape[0]) < a, drafts, choice)
         tail = mx.stack([a, unsure]).astype(mx.int32)
-        out = self._agree(mx.concatenate([choice.astype(mx.int32), tail]), block)
+        out = self.timer.agree(mx.concatenate([choice.astype(mx.int32), tail]), block)
         if out[-1]:  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
         if proposal is not None and self.noise is not None:

@@ -112,7 +112,7 @@ def _logprobs_asked(body, chat: bool) -> Optional[int]:
 
 
 def _prompt_ids(served: "Served", prompt) -> List[int]:
-    from ..engine.decoding import _prompt_ids as encode
+    from ..engine.checks import prompt_ids as encode
 
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -136,7 +136,7 @@ def _content(m) -> str:
 
 
 def _chat_ids(served: "Served", body) -> List[int]:
-    from ..engine.decoding import _prompt_ids as encode
+    from ..engine.checks import prompt_ids as encode
 
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(

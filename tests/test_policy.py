@@ -175,7 +175,8 @@ def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     assert all(v == a and (d or v == 1) for v, a, d in rounds[5:]), rounds
     assert sum(a for _, a, d in rounds[5:] if d) >= 16, rounds
     again = auto_run(model, draft, tok, "class A:\n", max_tokens=60)[2]
-    assert again == [(16, 16, True)] * 3 + [(8, 8, True), (2, 2, True), (1, 1, False)], again
+    # The last round verifies all the tokens left (11), not 8, 2 and 1.
+    assert again == [(16, 16, True)] * 3 + [(11, 11, True)], again
 
 
 @pytest.mark.parametrize("own_vocab", [False, True])
@@ -348,7 +349,7 @@ def test_ends_are_timed_first_then_the_fastest_length_wins():
         timed(p, 4, 0.009, 3)  # measured slower than hoped: 444/s
     assert p.seconds(4) == pytest.approx(0.009)
     assert p.choose() in (4, 8)
-    assert p.choose(limit=3) == 2 and p.choose(limit=1) == 1
+    assert p.choose(limit=3) == 3 and p.choose(limit=1) == 1  # the tokens left, in one round
 
 
 def test_a_round_tells_what_shorter_ones_would_have_accepted():

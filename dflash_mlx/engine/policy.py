@@ -1,8 +1,9 @@
 """``block_size="auto"``: how many tokens each decoding round verifies.
 
 The choices are the round lengths 1 (a plain step), 2, 4, ... up to the
-draft's block, and each round takes the one expected to commit the most
-tokens per second of the loop's own wall clock:
+draft's block (near the end, also the number of tokens left), and each
+round takes the one expected to commit the most tokens per second of the
+loop's own wall clock:
 
 - Seconds per round are measured on the rounds that took that length (a
   decaying mean, apart for each batch width; the first round after a switch
@@ -106,8 +107,11 @@ class Policy:
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
-        tokens per second, ``width`` rows at once (the untimed full block first)."""
-        options = [n for n in self.lengths if least <= n <= (limit or self.block_size)]
+        tokens per second, ``width`` rows at once (the untimed full block first).
+        A ``limit`` below the block (the tokens left) is an option too: one
+        round may verify them all."""
+        limit = limit or self.block_size
+        options = sorted({n for n in self.lengths if least <= n <= limit} | ({limit} if limit >= least else set()))
         if self.block_size in options and not self.timed(self.block_size, width):
             return self.block_size
         if not self.timed(1, width):

@@ -157,7 +157,7 @@ def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draf
     # Over its window the budget may have been unspent when this began, and
     # one probe (6.6 units: 1.6 + 3 x 2 - 1) may go over it.
     policy = Policy.of(draft)
-    assert probes >= 3, probes  # the draft is still tried now and then
+    assert probes >= 2, probes  # the draft is still tried now and then
     assert loss <= policy.budget * (spent + policy.window) + 6.6, (loss, spent, probes)
 
 
@@ -187,7 +187,7 @@ def test_draft_that_becomes_right_is_used_again(modelled, loaded, draft_for, tmp
     target ids)."""
     model, tok, folder = loaded("qwen3", tied=True)
     prompt = "import os\n"
-    ref = mlx_tokens(model, tok, prompt, 60)
+    ref = mlx_tokens(model, tok, prompt, 100)
     late = runs(ref)[-1]
     start = ref.index(late)
     assert start > 8 and set(ref[start:]) == {late}
@@ -196,7 +196,7 @@ def test_draft_that_becomes_right_is_used_again(modelled, loaded, draft_for, tmp
         draft = vocab_draft(tmp_path / "d", folder, vocab[::-1], mask_token_id=late, echo=True)
     else:
         draft = draft_for(folder, mask_token_id=late, echo=True)
-    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=60)
+    out, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
     assert out == ref
     first = next(i for i, (_, a, _) in enumerate(rounds) if a > 1)
     assert sum(not d for _, _, d in rounds[:first]) >= 3, rounds

@@ -55,7 +55,7 @@ class Policy:
     memory: float = 0.95
     decay: float = 0.95
     prior: float = 1.0
-    budget: float = 0.02
+    budget: float = 0.01
     window: int = 256
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)

@@ -351,7 +351,6 @@ class _Decoder:
             vocab = draft.config.draft_vocab
             self.vocab = mx.array(vocab) if vocab else None
             self.head = target.head_over(self.vocab) if vocab else target.head
-        self.policy = policy  # chooses each round's length ("auto"); the timer teaches it
         self.rounds, self.committed, self.verified, self.timing = 0, 0, 0, None
         # Plain steps run pipelined as mlx-lm's own loop does (the next step is
         # queued on the lazily chosen token before this one is read) where a
@@ -362,7 +361,13 @@ class _Decoder:
         self.ahead = None  # the queued step: (token [1] or [2], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
-        self.timer = RoundTimer(policy)
+        self.timer = RoundTimer(policy)  # teaches the policy that chooses each round's length ("auto")
+
+    @property
+    def policy(self) -> Optional[Policy]:
+        """The policy choosing each round's length ("auto"), or None: the
+        timer's, so that the one chosen with is the one taught."""
+        return self.timer.policy
 
     def prefill(self, ids: List[int], step: int) -> List[int]:
         """Run the prompt through the target; return its first token."""

@@ -111,7 +111,9 @@ class Policy:
         A ``limit`` below the block (the tokens left) is an option too: one
         round may verify them all."""
         limit = limit or self.block_size
-        options = sorted({n for n in self.lengths if least <= n <= limit} | ({limit} if limit >= least else set()))
+        options = [n for n in self.lengths if least <= n < limit]
+        if limit >= least:
+            options.append(limit)
         if self.block_size in options and not self.timed(self.block_size, width):
             return self.block_size
         if not self.timed(1, width):

@@ -362,6 +362,20 @@ def test_a_round_tells_what_shorter_ones_would_have_accepted():
     assert p.tokens(2) == pytest.approx(2.0, abs=0.05) and p.tokens(8) == pytest.approx(3.0, abs=0.1)
 
 
+def test_a_lengths_own_rounds_outweigh_longer_ones():
+    """A shorter block's drafts are not a longer block's first drafts (the
+    draft sees the whole block at once): until rounds of 4 run, the 16s
+    tell what they would accept; then their own rounds do."""
+    p = Policy(16)
+    for _ in range(20):
+        p.learn(16, [0])
+    assert p.tokens(4) == pytest.approx(1.0, abs=0.1)
+    for _ in range(10):
+        p.learn(4, [3])
+    assert p.tokens(4) > 3.4 and p.tokens(16) < 1.5
+    assert p.tokens(8) < p.tokens(4)  # no round of 8 yet: every round's counts
+
+
 def test_probes_lose_at_most_the_budget():
     """Plain steps win (4 ms against 6 ms for a round of 2 that accepts
     nothing): the best drafting round still runs now and then, losing about

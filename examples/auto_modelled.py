@@ -1,0 +1,131 @@
+"""How well `block_size="auto"` chooses, judged without this machine's noise.
+
+    python examples/auto_modelled.py [--pair demo|smollm2] [--noise X | --random]
+        [--pace flat|phases|jitter|both] [--prompts 8] [--tokens 128]
+
+The real target and draft run (so the acceptance is real), but the loop's
+clock is a modelled one: a target forward of L tokens and a draft pass cost
+what they cost on this machine (fit to fixed-block runs; see COSTS). What the
+policy sees is that cost times a pace: flat, two-speed phases (1x and 2x,
+alternating every 0.5 s of modelled time), a random jitter per call, or both,
+as this machine swings. What is reported is tokens per unpaced cost, so `auto`
+is judged against plain steps and every fixed block by its choices alone:
+one run gives the same numbers as the next.
+
+``--noise X`` adds X standard deviations of Gaussian noise to the draft's
+weights (a weaker draft); ``--random`` replaces them (a useless draft).
+`auto` runs the prompts twice (what it learnt carries over) and counts the
+second time.
+"""
+
+import argparse
+import json
+import math
+import random
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_map
+
+from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.engine import policy
+from dflash_mlx.engine.draft import DFlashDraft
+from dflash_mlx.engine.target import Target
+
+PKG = Path(__file__).resolve().parents[1] / "dflash_mlx"
+# ms: a plain step, a draft pass, and a forward of L tokens in plain steps.
+COSTS = {
+    "demo": (5.5, 4.4, lambda L: 1 + 0.05 * (L - 1)),
+    "smollm2": (80.0, 20.0, lambda L: 1 + 0.225 * math.log2(L)),  # 1.2 at 2, 1.45 at 4, 1.9 at 16
+}
+
+
+def pair(name: str, noise: float, rand: bool):
+    if name == "smollm2":
+        model, tok = load("smollm2")
+        draft = load_draft(str(PKG / "smollm2/draft"))
+        lines = (PKG / "smollm2/heldout.jsonl").read_text().splitlines()
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": json.loads(l)["prompt"]}],
+                                    add_generation_prompt=True, tokenize=False)
+            for l in lines
+        ]
+    else:
+        model, tok = load(str(PKG / "demo/target"))
+        draft = load_draft(str(PKG / "demo/draft"))
+        prompts = [json.loads(l)["prompt"] for l in (PKG / "demo/prompts.jsonl").read_text().splitlines()]
+    mx.random.seed(1)
+    if rand:
+        draft.update(tree_map(lambda p: mx.random.normal(p.shape).astype(p.dtype) * 0.02 if p.ndim > 1 else p, draft.parameters()))
+    elif noise:
+        draft.update(tree_map(
+            lambda p: p + mx.random.normal(p.shape).astype(p.dtype) * noise * mx.std(p) if p.ndim > 1 else p,
+            draft.parameters()))
+    return model, tok, draft, prompts
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", choices=sorted(COSTS), default="demo")
+    ap.add_argument("--noise", type=float, default=0.0)
+    ap.add_argument("--random", action="store_true")
+    ap.add_argument("--pace", choices=("flat", "phases", "jitter", "both"), default="both")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    model, tok, draft, prompts = pair(args.pair, args.noise, args.random)
+    prompts = prompts[: args.prompts]
+    step, draft_pass, verify = COSTS[args.pair]
+
+    rng = random.Random(0)
+    seen, true = [0.0], [0.0]  # seconds the policy sees; unpaced seconds
+
+    def spend(ms: float) -> None:
+        f = 2.0 if args.pace in ("phases", "both") and int(seen[0] / 0.5) % 2 else 1.0
+        if args.pace in ("jitter", "both"):
+            f *= math.exp(rng.gauss(0, 0.25))
+        seen[0] += ms * f / 1e3
+        true[0] += ms / 1e3
+
+    forward, propose = Target.forward, DFlashDraft.propose
+
+    def timed_forward(self, tokens, *a, **k):
+        spend(step * verify(tokens.shape[-1]))
+        return forward(self, tokens, *a, **k)
+
+    def timed_propose(self, *a, **k):
+        spend(draft_pass)
+        return propose(self, *a, **k)
+
+    Target.forward, DFlashDraft.propose, policy.clock = timed_forward, timed_propose, lambda: seen[0]
+    try:
+        def rate(bs, counts):
+            made, cost = 0, 0.0
+            for p in prompts:
+                start = None
+                for r in stream_generate(model, draft if bs != 1 else None, tok, p, block_size=bs,
+                                         max_tokens=args.tokens):
+                    if start is None:  # from the first token on
+                        start, first = true[0], r.generation_tokens
+                    else:
+                        counts[r.verified] = counts.get(r.verified, 0) + 1
+                made, cost = made + r.generation_tokens - first, cost + true[0] - start
+            return made / cost
+
+        rates, rounds = {}, {}
+        for bs in ["auto", 1] + [b for b in (2, 4, 8, 16, 32) if b <= draft.block_size]:
+            policy.Policy.forget(draft)
+            if bs == "auto":
+                rate(bs, {})  # learns the draft
+            rates[bs] = rate(bs, rounds if bs == "auto" else {})
+    finally:
+        Target.forward, DFlashDraft.propose, policy.clock = forward, propose, policy.time.perf_counter
+    best = max(v for k, v in rates.items() if k != "auto")
+    print(f"{args.pair} noise={args.noise} random={args.random} pace={args.pace}: "
+          f"auto / best = {rates['auto'] / best:.3f}; against plain steps: "
+          + " ".join(f"{k}={v / rates[1]:.3f}" for k, v in rates.items()))
+    print("auto's rounds by tokens verified:", dict(sorted(rounds.items())))
+
+
+if __name__ == "__main__":
+    main()

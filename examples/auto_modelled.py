@@ -1,7 +1,7 @@
 """How well `block_size="auto"` chooses, judged without this machine's noise.
 
     python examples/auto_modelled.py [--pair demo|smollm2] [--noise X | --random]
-        [--pace flat|phases|jitter|both] [--prompts 8] [--tokens 128]
+        [--pace flat|phases|jitter|both] [--prompts 8] [--tokens 128] [--seed 0]
 
 The real target and draft run (so the acceptance is real), but the loop's
 clock is a modelled one: a target forward of L tokens and a draft pass cost
@@ -15,7 +15,9 @@ one run gives the same numbers as the next.
 ``--noise X`` adds X standard deviations of Gaussian noise to the draft's
 weights (a weaker draft); ``--random`` replaces them (a useless draft).
 `auto` runs the prompts twice (what it learnt carries over) and counts the
-second time.
+second time. Its choices feed back on what it learns, so a small change to
+the policy (or another ``--seed``: the jitter, and the prompts' order if not
+0) can take another path: compare over a few seeds.
 """
 
 import argparse
@@ -72,12 +74,15 @@ def main():
     ap.add_argument("--pace", choices=("flat", "phases", "jitter", "both"), default="both")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model, tok, draft, prompts = pair(args.pair, args.noise, args.random)
     prompts = prompts[: args.prompts]
+    if args.seed:
+        random.Random(args.seed).shuffle(prompts)
     step, draft_pass, verify = COSTS[args.pair]
 
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     seen, true = [0.0], [0.0]  # seconds the policy sees; unpaced seconds
 
     def spend(ms: float) -> None:
@@ -121,7 +126,7 @@ def main():
     finally:
         Target.forward, DFlashDraft.propose, policy.clock = forward, propose, policy.time.perf_counter
     best = max(v for k, v in rates.items() if k != "auto")
-    print(f"{args.pair} noise={args.noise} random={args.random} pace={args.pace}: "
+    print(f"{args.pair} noise={args.noise} random={args.random} pace={args.pace} seed={args.seed}: "
           f"auto / best = {rates['auto'] / best:.3f}; against plain steps: "
           + " ".join(f"{k}={v / rates[1]:.3f}" for k, v in rates.items()))
     print("auto's rounds by tokens verified:", dict(sorted(rounds.items())))

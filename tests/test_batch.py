@@ -141,3 +141,25 @@ def test_useless_draft_in_a_batch_takes_plain_steps(modelled, loaded, draft_for)
     assert [toks[k] for k in keys] == [mlx_tokens(model, tok, p, 60) for p in PROMPTS]
     late = [r.verified for k in keys for r in resp[k][30:]]
     assert late and sum(v == 1 for v in late) / len(late) > 0.85
+
+
+def test_rows_near_their_end_teach_nothing_beyond(loaded, draft_for):
+    """Under "auto", a row with fewer tokens left verifies fewer than the
+    round's length: it is not counted as a miss at the depths it did not
+    reach, so each round teaches the policy only the rows that verified it all."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, PROMPTS[0], 40)
+    draft = draft_for(folder, mask_token_id=runs(ref)[0], echo=True)
+    batch = Batch(model, draft, tok, "auto")
+    keys = [batch.add(PROMPTS[0], 40), batch.add(PROMPTS[1], 7), batch.add(PROMPTS[2], 19)]
+    calls, learn = [], batch.policy.learn
+    batch.policy.learn = lambda length, accepted: calls.append((length, len(accepted))) or learn(length, accepted)
+    short = 0
+    while len(batch):
+        calls.clear()
+        out = batch.step()
+        for length, n in calls:
+            assert n == sum(r.verified == length for _, r in out), (calls, [r.verified for _, r in out])
+        short += any(1 < r.verified < length for _, r in out for length, _ in calls)
+    assert short  # some round had a row that verified fewer
+    del batch.policy.learn

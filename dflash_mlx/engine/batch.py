@@ -192,7 +192,8 @@ class Batch:
             n = blocks[i].shape[0]
             kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
-        self._learn(length, [a for (_, a), n in zip(kept, lengths) if n > 1], len(rows))
+        # A row near its end verified fewer: what it accepted says nothing of depths beyond.
+        self._learn(length, [a for (_, a), n in zip(kept, lengths) if n == length > 1], len(rows))
         for i, row in enumerate(rows):
             choice, a = kept[i]
             feats = f[i : i + 1] if f is not None else None

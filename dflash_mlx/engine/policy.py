@@ -17,7 +17,7 @@ loop's own wall clock:
   that verified L tokens tells what a shorter round would have accepted,
   roughly: a shorter block's drafts are not a longer one's first drafts,
   the draft sees the whole block; on the toy pairs they accepted 10-20%
-  more), and a depth seen little on the depth before it.
+  more), in which a depth seen little leans on the depth before it.
 
 While plain steps win, the best drafting round still runs now and then, so
 that a draft that starts to help is found again, but only while what such
@@ -65,13 +65,14 @@ class Policy:
     trials: List[float] = field(init=False)
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
-    own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)  # length -> its rounds' [hits, trials]
+    own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)  # length -> [hits, trials]
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of all timed rounds
     lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
     made: float = field(init=False, default=1.0)  # tokens a row committed in the last drafting round
     untimed: int = field(init=False, default=0)  # plain steps taken, not timed yet
-    _pooled: Optional[List[float]] = field(init=False, default=None, repr=False)  # chances() from every round
+    # chances() from every round, kept until learn() changes the counts
+    _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
         depth = max(self.block_size - 1, 0)
@@ -90,12 +91,12 @@ class Policy:
         out = list(self._pooled)
         if length in self.own:
             h, t = self.own[length]
-            out = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
+            out[: len(h)] = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
         return out
 
     def gains(self, length: Optional[int] = None) -> List[float]:
-        """Expected tokens committed by a round of each length 1..block
-        (by the chances of :meth:`chances`)."""
+        """Expected tokens committed by a round of each length 1..block, by
+        the chances of :meth:`chances` (``length``: of rounds of that length)."""
         reach, out = 1.0, [1.0]
         for p in self.chances(length):
             reach *= p

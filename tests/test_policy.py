@@ -401,6 +401,20 @@ def test_probes_lose_at_most_the_budget():
     assert probes <= 3 and p.choose() > 1
 
 
+def test_a_probes_neighbours_never_count_as_a_gain():
+    """Plain steps next to a probe that ran faster than their mean are the
+    machine's noise: the budget does not get them back."""
+    p = Policy(16)
+    for n in (16, 16, 1, 1, 2, 2):
+        timed(p, n, 0.004 if n == 1 else 0.006 if n == 2 else 0.010, 0)
+    assert p.plain_wins() and p.lost > 0
+    lost = p.lost
+    p.charge(-0.003)
+    assert p.lost == lost
+    p.charge(0.002)
+    assert p.lost == pytest.approx(lost + 0.002)
+
+
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():
     p = Policy(4)
     for _ in range(10):

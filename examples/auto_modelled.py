@@ -92,7 +92,7 @@ def main():
         seen[0] += ms * f / 1e3
         true[0] += ms / 1e3
 
-    forward, propose = Target.forward, DFlashDraft.propose
+    forward, propose, clock = Target.forward, DFlashDraft.propose, policy.clock
 
     def timed_forward(self, tokens, *a, **k):
         spend(step * verify(tokens.shape[-1]))
@@ -124,7 +124,7 @@ def main():
                 rate(bs, {})  # learns the draft
             rates[bs] = rate(bs, rounds if bs == "auto" else {})
     finally:
-        Target.forward, DFlashDraft.propose, policy.clock = forward, propose, policy.time.perf_counter
+        Target.forward, DFlashDraft.propose, policy.clock = forward, propose, clock
     best = max(v for k, v in rates.items() if k != "auto")
     print(f"{args.pair} noise={args.noise} random={args.random} pace={args.pace} seed={args.seed}: "
           f"auto / best = {rates['auto'] / best:.3f}; against plain steps: "

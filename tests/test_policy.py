@@ -358,7 +358,7 @@ def test_a_round_tells_what_shorter_ones_would_have_accepted():
         p.learn(8, [2])  # drafts 1 and 2 right, 3 wrong; deeper ones never seen
     c = p.chances()
     assert c[0] > 0.95 and c[1] > 0.95 and c[2] < 0.1
-    assert p.trials[3] == 0 and c[3] < 0.1  # an unseen depth leans on the one before
+    assert p.counts()[1][3] == 0 and c[3] < 0.1  # an unseen depth leans on the one before
     assert p.tokens(2) == pytest.approx(2.0, abs=0.05) and p.tokens(8) == pytest.approx(3.0, abs=0.1)
 
 

@@ -61,11 +61,10 @@ class Policy:
     prior: float = 1.0
     budget: float = 0.01
     window: int = 256
-    hits: List[float] = field(init=False)
-    trials: List[float] = field(init=False)
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
-    own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)  # length -> [hits, trials]
+    # length -> [hits, trials]: its rounds' decaying counts per depth
+    own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of all timed rounds
     lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
@@ -75,9 +74,15 @@ class Policy:
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        depth = max(self.block_size - 1, 0)
-        self.hits, self.trials = [0.0] * depth, [0.0] * depth
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
+
+    def counts(self) -> Tuple[List[float], List[float]]:
+        """Every round's decaying counts per depth: drafts accepted, checked."""
+        hits, trials = [0.0] * max(self.block_size - 1, 0), [0.0] * max(self.block_size - 1, 0)
+        for h, t in self.own.values():
+            for i in range(len(h)):
+                hits[i], trials[i] = hits[i] + h[i], trials[i] + t[i]
+        return hits, trials
 
     def chances(self, length: Optional[int] = None) -> List[float]:
         """Each draft's estimated chance of acceptance given the ones before:
@@ -85,7 +90,7 @@ class Policy:
         every round's where they saw little)."""
         if self._pooled is None:  # (kept until the next round is learnt)
             self._pooled, last = [], 0.5
-            for h, t in zip(self.hits, self.trials):
+            for h, t in zip(*self.counts()):
                 last = (h + self.prior * last) / (t + self.prior)
                 self._pooled.append(last)
         out = list(self._pooled)
@@ -154,15 +159,14 @@ class Policy:
         """A drafting round verified ``length`` tokens a row and accepted
         ``accepted[r]`` drafts of row r."""
         decay, self._pooled = self.memory ** len(accepted), None
-        mine = self.own.setdefault(length, [[0.0] * (length - 1), [0.0] * (length - 1)])
-        for counts in [self.hits, self.trials] + [c for o in self.own.values() for c in o]:
+        for counts in [c for o in self.own.values() for c in o]:
             counts[:] = [c * decay for c in counts]
+        hits, trials = self.own.setdefault(length, [[0.0] * (length - 1), [0.0] * (length - 1)])
         self.made = 1 + sum(accepted) / len(accepted)
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
-                for hits, trials in (self.hits, self.trials), mine:
-                    hits[i] += i < a
-                    trials[i] += 1
+                hits[i] += i < a
+                trials[i] += 1
 
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""

@@ -2,6 +2,7 @@
 
     python examples/auto_modelled.py [--pair demo|smollm2] [--noise X | --random]
         [--pace flat|phases|jitter|both] [--prompts 8] [--tokens 128] [--seed 0]
+        [--draft PATH --draft-ms MS]
 
 The real target and draft run (so the acceptance is real), but the loop's
 clock is a modelled one: a target forward of L tokens and a draft pass cost
@@ -12,7 +13,8 @@ as this machine swings. What is reported is tokens per unpaced cost, so `auto`
 is judged against plain steps and every fixed block by its choices alone:
 one run gives the same numbers as the next.
 
-``--noise X`` adds X standard deviations of Gaussian noise to the draft's
+``--draft`` takes another draft for the pair's target (a draft pass then
+costs ``--draft-ms``). ``--noise X`` adds X standard deviations of Gaussian noise to the draft's
 weights (a weaker draft); ``--random`` replaces them (a useless draft).
 `auto` runs the prompts twice (what it learnt carries over) and counts the
 second time. Its choices feed back on what it learns, so a small change to
@@ -42,7 +44,7 @@ COSTS = {
 }
 
 
-def pair(name: str, noise: float, rand: bool):
+def pair(name: str, noise: float, rand: bool, other: str = None):
     if name == "smollm2":
         model, tok = load("smollm2")
         draft = load_draft(str(PKG / "smollm2/draft"))
@@ -56,6 +58,8 @@ def pair(name: str, noise: float, rand: bool):
         model, tok = load(str(PKG / "demo/target"))
         draft = load_draft(str(PKG / "demo/draft"))
         prompts = [json.loads(l)["prompt"] for l in (PKG / "demo/prompts.jsonl").read_text().splitlines()]
+    if other:
+        draft = load_draft(other)
     mx.random.seed(1)
     if rand:
         draft.update(tree_map(lambda p: mx.random.normal(p.shape).astype(p.dtype) * 0.02 if p.ndim > 1 else p, draft.parameters()))
@@ -75,12 +79,15 @@ def main():
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--draft", help="Another draft for the pair's target.")
+    ap.add_argument("--draft-ms", type=float, help="What its pass costs (default: the pair's draft's).")
     args = ap.parse_args()
-    model, tok, draft, prompts = pair(args.pair, args.noise, args.random)
+    model, tok, draft, prompts = pair(args.pair, args.noise, args.random, args.draft)
     prompts = prompts[: args.prompts]
     if args.seed:
         random.Random(args.seed).shuffle(prompts)
     step, draft_pass, verify = COSTS[args.pair]
+    draft_pass = args.draft_ms or draft_pass
 
     rng = random.Random(args.seed)
     seen, true = [0.0], [0.0]  # seconds the policy sees; unpaced seconds
@@ -126,7 +133,7 @@ def main():
     finally:
         Target.forward, DFlashDraft.propose, policy.clock = forward, propose, clock
     best = max(v for k, v in rates.items() if k != "auto")
-    print(f"{args.pair} noise={args.noise} random={args.random} pace={args.pace} seed={args.seed}: "
+    print(f"{args.pair}{' + ' + args.draft if args.draft else ''} noise={args.noise} random={args.random} pace={args.pace} seed={args.seed}: "
           f"auto / best = {rates['auto'] / best:.3f}; against plain steps: "
           + " ".join(f"{k}={v / rates[1]:.3f}" for k, v in rates.items()))
     print("auto's rounds by tokens verified:", dict(sorted(rounds.items())))

@@ -376,39 +376,6 @@ def test_a_lengths_own_rounds_outweigh_longer_ones():
     assert p.tokens(8) < p.tokens(4)  # no round of 8 yet: every round's counts
 
 
-def test_a_length_scored_too_low_is_tried_when_near_the_best():
-    """Rounds of 16 accept 15 or 5 drafts; rounds of 8 (timed once, their
-    acceptance forgotten) would accept all 7. By the 16s' counts a round of
-    8 makes 7 tokens, so a fixed score never tries it; the spread on the
-    drafting lengths' scores does, and then 8 holds its own."""
-    def run(spread):
-        p, flip, made, took, kinds = Policy(16, spread=spread), [0], 0, 0.0, []
-
-        def world(n):
-            if n == 16:
-                flip[0] ^= 1
-                return 0.010, 15 if flip[0] else 5
-            return {8: (0.007, 7), 4: (0.0055, 3), 2: (0.005, 1), 1: (0.004, 0)}[n]
-
-        for n in [16] * 20 + [1] * 3:
-            timed(p, n, *world(n))
-        p.time(8, 0.007)
-        for i in range(400):
-            n = p.choose()
-            seconds, a = world(n)
-            timed(p, n, seconds, a)
-            kinds.append(n)
-            if i >= 200:
-                made, took = made + a + 1, took + seconds
-        return kinds[200:], made / took
-
-    kinds, rate = run(0.0)
-    assert 8 not in kinds
-    kinds, rate = run(Policy(16).spread)
-    assert kinds.count(8) > 0.4 * len(kinds)
-    assert rate >= 0.97 * max(8 / 0.007, 11 / 0.010)
-
-
 def test_probes_lose_at_most_the_budget():
     """Plain steps win (4 ms against 6 ms for a round of 2 that accepts
     nothing): the best drafting round still runs now and then, losing about

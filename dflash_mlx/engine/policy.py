@@ -13,24 +13,23 @@ loop's own wall clock:
   pays the draft pass at any length), so it is tried where it might win.
 - Tokens per round come from the rounds of that length: draft i's chance
   of acceptance, given the ones before it, is a decaying count per depth.
-  Where a length has seen little, it leans on every round's counts, which
-  underrate it if it is shorter (the draft sees its whole block: a shorter
-  block's drafts accepted 10-20% more than a longer one's first drafts), so
-  while drafting wins the drafting lengths' scores get a random spread, and
-  one near the best gets tried.
+  Where a length has seen little, it leans on every round's counts (one
+  that verified L tokens tells what a shorter round would have accepted,
+  roughly: a shorter block's drafts are not a longer one's first drafts,
+  the draft sees the whole block; on the toy pairs they accepted 10-20%
+  more), in which a depth seen little leans on the depth before it.
 
 While plain steps win, the best drafting round still runs now and then, so
 that a draft that starts to help is found again, but only while what such
-rounds lost against plain steps (and the plain steps next to them beyond
-their time) stays within ``budget`` of the loop's recent time: a useless
-draft costs at most that share (after its first rounds), on any pair.
+rounds lost against plain steps (with what the plain steps next to them
+took beyond their time: the loop's caller charges it) stays within
+``budget`` of the loop's recent time: a useless draft costs at most that
+share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
-Nothing is measured ahead, so the choice holds on any pair and machine; the
-output never depends on it.
+Nothing is measured ahead, and no length is assumed faster than it runs, so
+the choice holds on any pair and machine; the output never depends on it.
 """
 
-import math
-import random
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -47,13 +46,13 @@ class Policy:
 
     Args:
         block_size: The draft's trained block size (the longest round).
-        memory: Decay per drafting round of the acceptance counts.
+        memory: Decay per drafting round of the acceptance counts (0.95
+            chose worse on noisy drafts, on a modelled clock).
         decay: Decay per round of a length's timing.
         prior: Pseudo-trials behind each depth's starting guess.
         budget: The share of the time (over about the last ``window``
             rounds) that drafting rounds may lose against plain steps while
             plain steps win.
-        spread: Sigma of the lognormal noise on drafting lengths' scores.
     """
 
     block_size: int
@@ -62,7 +61,6 @@ class Policy:
     prior: float = 1.0
     budget: float = 0.01
     window: int = 256
-    spread: float = 0.1
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
     # length -> [hits, trials]: its rounds' decaying counts per depth
@@ -76,7 +74,6 @@ class Policy:
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self):
-        self._rng = random.Random(0)
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
 
     def counts(self) -> Tuple[List[float], List[float]]:
@@ -129,9 +126,10 @@ class Policy:
         return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a)
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
-        """The length from ``least`` to ``limit`` (the tokens left are an option
-        too) expected to commit the most tokens per second on ``width`` rows;
-        the untimed full block first; drafting lengths' scores spread."""
+        """The length from ``least`` to ``limit`` expected to commit the most
+        tokens per second, ``width`` rows at once (the untimed full block first).
+        A ``limit`` below the block (the tokens left) is an option too: one
+        round may verify them all."""
         limit = limit or self.block_size
         options = [n for n in self.lengths if least <= n < limit]
         if limit >= least:
@@ -142,12 +140,7 @@ class Policy:
             options = [n for n in options if n > 1] or [1]
         if self.seconds(options[-1], width) is None:  # nothing timed within the limit
             return options[-1]
-        rate = {n: self.tokens(n) / self.seconds(n, width) for n in options}
-        best = max(options, key=rate.get)
-        if best == 1 or least > 1:
-            return best
-        return max((n for n in options if n > 1),  # seeded: every rank draws alike
-                   key=lambda n: rate[n] * math.exp(self.spread * self._rng.gauss(0, 1)))
+        return max(options, key=lambda n: self.tokens(n) / self.seconds(n, width))
 
     def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
         """The next round's length: :meth:`best`, plain steps while ``skip``
@@ -198,14 +191,18 @@ class Policy:
             self.lost = max(self.lost + seconds - self.made * self.seconds(1, width), 0.0)
         if length == 1:
             self.untimed = max(self.untimed - rounds, 0)
-        if book:  # ``rounds`` decayed additions of ``seconds``
-            r = self.decay**rounds
-            s[:] = [x * r + w * (1 - r) / (1 - self.decay) for x, w in zip(s, (seconds, 1.0))]
+        if not book:
+            return
+        for _ in range(rounds):
+            s[0] = self.decay * s[0] + seconds
+            s[1] = self.decay * s[1] + 1
 
     def charge(self, seconds: float, width: int = 1) -> None:
         """Count ``seconds`` that plain steps next to a probe took beyond
-        their time against the budget (while plain steps win); a gain there
-        is the machine's noise, not counted."""
+        their time against the budget (while plain steps win). Never less
+        than nothing: what looks like a gain there is the machine's noise
+        (counted, it let a useless draft probe twice as often on a jittery
+        modelled clock)."""
         if self.plain_wins(width):
             self.lost += max(seconds, 0.0)
 
@@ -228,7 +225,9 @@ class Policy:
     def of(draft) -> "Policy":
         """The policy of ``draft``'s generations (made at the first)."""
         mine = memo(draft)
-        return mine.get("policy") or mine.setdefault("policy", Policy(draft.block_size))
+        if "policy" not in mine:
+            mine["policy"] = Policy(draft.block_size)
+        return mine["policy"]
 
     @staticmethod
     def forget(draft) -> None:

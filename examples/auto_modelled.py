@@ -14,8 +14,9 @@ is judged against plain steps and every fixed block by its choices alone:
 one run gives the same numbers as the next.
 
 ``--draft`` takes another draft for the pair's target (a draft pass then
-costs ``--draft-ms``). ``--noise X`` adds X standard deviations of Gaussian noise to the draft's
-weights (a weaker draft); ``--random`` replaces them (a useless draft).
+costs ``--draft-ms``). ``--noise X`` adds X standard deviations of Gaussian
+noise to the draft's weights (a weaker draft); ``--random`` replaces them (a
+useless draft).
 `auto` runs the prompts twice (what it learnt carries over) and counts the
 second time. Its choices feed back on what it learns, so a small change to
 the policy (or another ``--seed``: the jitter, and the prompts' order if not
@@ -32,6 +33,7 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.engine import policy
 from dflash_mlx.engine.draft import DFlashDraft
 from dflash_mlx.engine.target import Target
@@ -82,6 +84,8 @@ def main():
     ap.add_argument("--draft", help="Another draft for the pair's target.")
     ap.add_argument("--draft-ms", type=float, help="What its pass costs (default: the pair's draft's).")
     args = ap.parse_args()
+    if args.draft_ms is not None and args.draft_ms <= 0:
+        ap.error(f"--draft-ms must be positive, got {args.draft_ms}")
     model, tok, draft, prompts = pair(args.pair, args.noise, args.random, args.draft)
     prompts = prompts[: args.prompts]
     if args.seed:
@@ -140,4 +144,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except DFlashError as e:  # e.g. a --draft that is not a draft for this target
+        raise SystemExit(f"error: {e}")

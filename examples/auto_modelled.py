@@ -50,7 +50,7 @@ COSTS = {
 def pair(name: str, noise: float, rand: bool, other: str = None):
     if name == "smollm2":
         model, tok = load("smollm2")
-        draft = load_draft(str(PKG / "smollm2/draft"))
+        draft = load_draft(other or str(PKG / "smollm2/draft"))
         lines = (PKG / "smollm2/heldout.jsonl").read_text().splitlines()
         prompts = [
             tok.apply_chat_template([{"role": "user", "content": json.loads(l)["prompt"]}],
@@ -59,10 +59,8 @@ def pair(name: str, noise: float, rand: bool, other: str = None):
         ]
     else:
         model, tok = load(str(PKG / "demo/target"))
-        draft = load_draft(str(PKG / "demo/draft"))
+        draft = load_draft(other or str(PKG / "demo/draft"))
         prompts = [json.loads(l)["prompt"] for l in (PKG / "demo/prompts.jsonl").read_text().splitlines()]
-    if other:
-        draft = load_draft(other)
     mx.random.seed(1)
     if rand:
         draft.update(tree_map(lambda p: mx.random.normal(p.shape).astype(p.dtype) * 0.02 if p.ndim > 1 else p, draft.parameters()))

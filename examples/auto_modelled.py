@@ -2,7 +2,7 @@
 
     python examples/auto_modelled.py [--pair demo|smollm2] [--noise X | --random]
         [--pace flat|phases|jitter|both] [--prompts 8] [--tokens 128] [--seed 0]
-        [--seeds 1] [--draft PATH --draft-ms MS]
+        [--seeds 1] [--draft PATH --draft-ms MS] [--trace FILE]
 
 The real target and draft run (so the acceptance is real), but the loop's
 clock is a modelled one: a target forward of L tokens and a draft pass cost
@@ -85,6 +85,9 @@ def main():
                          "what they cost depends on neither the order nor the pace).")
     ap.add_argument("--draft", help="Another draft for the pair's target.")
     ap.add_argument("--draft-ms", type=float, help="What its pass costs (default: the pair's draft's).")
+    ap.add_argument("--trace", type=argparse.FileType("w"),
+                    help="Write each counted round of auto as a JSON line: seed, prompt, the length "
+                         "chosen, and each length's expected tokens and tokens per second then.")
     args = ap.parse_args()
     if args.draft_ms is not None and args.draft_ms <= 0:
         ap.error(f"--draft-ms must be positive, got {args.draft_ms}")
@@ -115,11 +118,26 @@ def main():
         spend(draft_pass)
         return propose(self, *a, **k)
 
+    choose, where = policy.Policy.choose, [None]  # (seed, prompt) of a counted run of auto
+
+    def traced_choose(self, limit=None, width=1):
+        n = choose(self, limit, width)
+        if where[0]:
+            est = {m: (self.tokens(m), self.seconds(m, width)) for m in self.lengths}
+            args.trace.write(json.dumps({
+                "seed": where[0][0], "prompt": where[0][1], "length": n,
+                "tokens": {m: round(t, 3) for m, (t, _) in est.items()},
+                "per_s": {m: s and round(t / s, 1) for m, (t, s) in est.items()}}) + "\n")
+        return n
+
     Target.forward, DFlashDraft.propose, policy.clock = timed_forward, timed_propose, lambda: seen[0]
+    if args.trace:
+        policy.Policy.choose = traced_choose
     try:
-        def rate(bs, order, counts):
+        def rate(bs, order, counts, seed=None):
             made, cost = 0, 0.0
             for p in order:
+                where[0] = None if seed is None else (seed, prompts.index(p))
                 start = None
                 for r in stream_generate(model, draft if bs != 1 else None, tok, p, block_size=bs,
                                          max_tokens=args.tokens):
@@ -139,9 +157,10 @@ def main():
             rng[0], rounds = random.Random(seed), {}
             policy.Policy.forget(draft)
             rate("auto", order, {})  # learns the draft
-            autos.append((seed, rate("auto", order, rounds), rounds))
+            autos.append((seed, rate("auto", order, rounds, seed), rounds))
     finally:
         Target.forward, DFlashDraft.propose, policy.clock = forward, propose, clock
+        policy.Policy.choose = choose
     best = max(rates.values())
     name = f"{args.pair}{' + ' + args.draft if args.draft else ''} noise={args.noise} random={args.random} pace={args.pace}"
     print(f"{name}: against plain steps: " + " ".join(f"{k}={v / rates[1]:.3f}" for k, v in rates.items()))

@@ -11,8 +11,10 @@ loop's own wall clock:
   full block are timed first; a length not timed yet is estimated by linear
   interpolation between timed ones, which is optimistic (a drafting round
   pays the draft pass at any length), so it is tried where it might win.
-- Tokens per round come from the rounds of that length: draft i's chance
-  of acceptance, given the ones before it, is a decaying count per depth.
+- Tokens per round come from the rounds of that length (one cut short by
+  the tokens left counts as the next length's: alone, one lucky round made
+  such a length win, and lose, at generation ends): draft i's chance of
+  acceptance, given the ones before it, is a decaying count per depth.
   Where a length has seen little, it leans on every round's counts (one
   that verified L tokens tells what a shorter round would have accepted,
   roughly: a shorter block's drafts are not a longer one's first drafts,
@@ -85,17 +87,16 @@ class Policy:
         return hits, trials
 
     def chances(self, length: Optional[int] = None) -> List[float]:
-        """Each draft's estimated chance of acceptance given the ones before:
-        from every round, or in rounds of ``length``, from theirs (leaning on
-        every round's where they saw little)."""
+        """Each draft's estimated chance of acceptance given the ones before: from every round,
+        or in rounds of ``length``, from theirs (leaning on every round's where they saw little)."""
         if self._pooled is None:  # (kept until the next round is learnt)
             self._pooled, last = [], 0.5
             for h, t in zip(*self.counts()):
                 last = (h + self.prior * last) / (t + self.prior)
                 self._pooled.append(last)
-        out = list(self._pooled)
-        if length in self.own:
-            h, t = self.own[length]
+        out, own = list(self._pooled), self.own.get(self.kind(length) if length else None)
+        if own:
+            h, t = own
             out[: len(h)] = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
         return out
 
@@ -131,9 +132,7 @@ class Policy:
         A ``limit`` below the block (the tokens left) is an option too: one
         round may verify them all."""
         limit = limit or self.block_size
-        options = [n for n in self.lengths if least <= n < limit]
-        if limit >= least:
-            options.append(limit)
+        options = [n for n in self.lengths if least <= n < limit] + [limit] * (limit >= least)
         if self.block_size in options and not self.timed(self.block_size, width):
             return self.block_size
         if not self.timed(1, width):
@@ -161,12 +160,17 @@ class Policy:
         decay, self._pooled = self.memory ** len(accepted), None
         for counts in [c for o in self.own.values() for c in o]:
             counts[:] = [c * decay for c in counts]
-        hits, trials = self.own.setdefault(length, [[0.0] * (length - 1), [0.0] * (length - 1)])
+        n = self.kind(length)
+        hits, trials = self.own.setdefault(n, [[0.0] * (n - 1), [0.0] * (n - 1)])
         self.made = 1 + sum(accepted) / len(accepted)
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
                 hits[i] += i < a
                 trials[i] += 1
+
+    def kind(self, length: int) -> int:
+        """The length of :attr:`lengths` whose counts a round of ``length`` (cut short?) adds to."""
+        return min(n for n in self.lengths if n >= length)
 
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""
@@ -224,10 +228,7 @@ class Policy:
     @staticmethod
     def of(draft) -> "Policy":
         """The policy of ``draft``'s generations (made at the first)."""
-        mine = memo(draft)
-        if "policy" not in mine:
-            mine["policy"] = Policy(draft.block_size)
-        return mine["policy"]
+        return memo(draft).setdefault("policy", Policy(draft.block_size))
 
     @staticmethod
     def forget(draft) -> None:

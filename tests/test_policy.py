@@ -376,7 +376,6 @@ def test_a_lengths_own_rounds_outweigh_longer_ones():
     assert p.tokens(8) < p.tokens(4)  # no round of 8 yet: every round's counts
 
 
-
 def test_a_round_cut_short_counts_as_the_next_lengths():
     """Near a generation's end a round verifies the tokens left (13 of 16):
     its counts are the 16s', so one lucky such round does not make 13 look
@@ -387,6 +386,7 @@ def test_a_round_cut_short_counts_as_the_next_lengths():
     p.learn(13, [12])
     assert set(p.own) == {16}
     assert p.tokens(13) == p.gains(16)[12] < 2.5
+
 
 def test_probes_lose_at_most_the_budget():
     """Plain steps win (4 ms against 6 ms for a round of 2 that accepts

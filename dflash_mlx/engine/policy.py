@@ -169,7 +169,7 @@ class Policy:
                 trials[i] += 1
 
     def kind(self, length: int) -> int:
-        """The length of :attr:`lengths` whose counts a round of ``length`` (cut short?) adds to."""
+        """The length of :attr:`lengths` whose counts a round of ``length`` (maybe cut short) adds to."""
         return min(n for n in self.lengths if n >= length)
 
     def plain_wins(self, width: int = 1) -> bool:

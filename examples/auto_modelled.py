@@ -11,7 +11,9 @@ policy sees is that cost times a pace: flat, two-speed phases (1x and 2x,
 alternating every 0.5 s of modelled time), a random jitter per call, or both,
 as this machine swings. What is reported is tokens per unpaced cost, so `auto`
 is judged against plain steps and every fixed block by its choices alone:
-one run gives the same numbers as the next.
+one run gives the same numbers as the next. It also prints what the best
+fixed choice for each prompt would make: how much choosing per prompt can
+gain over the best fixed block, at most.
 
 ``--draft`` takes another draft for the pair's target (a draft pass then
 costs ``--draft-ms``). ``--noise X`` adds X standard deviations of Gaussian
@@ -138,7 +140,7 @@ def main():
     if args.trace:
         policy.Policy.choose = traced_choose
     try:
-        def rate(bs, order, counts, seed=None):
+        def rate(bs, order, counts, seed=None, each=None):
             made, cost = 0, 0.0
             for p in order:
                 where[0] = None if seed is None else (seed, prompts.index(p))
@@ -150,9 +152,13 @@ def main():
                     else:
                         counts[r.verified] = counts.get(r.verified, 0) + 1
                 made, cost = made + r.generation_tokens - first, cost + true[0] - start
+                if each is not None:
+                    each[p] = true[0] - start
             return made / cost
 
-        rates = {bs: rate(bs, prompts, {}) for bs in [1] + [b for b in (2, 4, 8, 16, 32) if b <= draft.block_size]}
+        each = {}  # bs -> prompt -> seconds (the same tokens at every bs)
+        rates = {bs: rate(bs, prompts, {}, each=each.setdefault(bs, {}))
+                 for bs in [1] + [b for b in (2, 4, 8, 16, 32) if b <= draft.block_size]}
         autos = []
         for seed in range(args.seed, args.seed + args.seeds):
             order = list(prompts)
@@ -168,6 +174,10 @@ def main():
     best = max(rates.values())
     name = f"{args.pair}{' + ' + args.draft if args.draft else ''} noise={args.noise} random={args.random} pace={args.pace}"
     print(f"{name}: against plain steps: " + " ".join(f"{k}={v / rates[1]:.3f}" for k, v in rates.items()))
+    # What choosing per prompt could gain at most (the same tokens, each prompt at its best fixed choice).
+    picks = [min(each, key=lambda bs: each[bs][p]) for p in prompts]
+    oracle = sum(each[1].values()) * rates[1] / sum(each[bs][p] for bs, p in zip(picks, prompts))
+    print(f"{name}: the best fixed choice per prompt ({' '.join(map(str, picks))}) makes {oracle / best:.3f} of best")
     for seed, auto, rounds in autos:
         print(f"{name} seed={seed}: auto / best = {auto / best:.3f} (auto={auto / rates[1]:.3f} of plain steps); "
               f"its rounds by tokens verified: {dict(sorted(rounds.items()))}")

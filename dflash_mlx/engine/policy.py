@@ -1,32 +1,28 @@
 """``block_size="auto"``: how many tokens each decoding round verifies.
 
 The choices are the round lengths 1 (a plain step), 2, 4, ... up to the
-draft's block (near the end, also the number of tokens left), and each
-round takes the one expected to commit the most tokens per second of the
-loop's own wall clock:
+draft's block (near the end, also the tokens left); each round takes the
+one expected to commit the most tokens per second of the loop's own clock:
 
-- Seconds per round are measured on the rounds that took that length (a
-  decaying mean, apart for each batch width; the first round after a switch
-  between drafting and plain steps is not counted). The plain step and the
-  full block are timed first; a length not timed yet is estimated by linear
-  interpolation between timed ones, which is optimistic (a drafting round
-  pays the draft pass at any length), so it is tried where it might win.
-- Tokens per round come from the rounds of that length (one cut short by
-  the tokens left counts as the next length's: alone, one lucky round made
-  such a length win, and lose, at generation ends): draft i's chance of
-  acceptance, given the ones before it, is a decaying count per depth.
-  Where a length has seen little, it leans on every round's counts (one
-  that verified L tokens tells what a shorter round would have accepted,
-  roughly: a shorter block's drafts are not a longer one's first drafts,
-  the draft sees the whole block; on the toy pairs they accepted 10-20%
-  more), in which a depth seen little leans on the depth before it.
+- Seconds per round: a decaying mean of the rounds of that length, apart
+  for each batch width (the first round after a switch between drafting and
+  plain steps is not counted). The plain step and the full block are timed
+  first; a length not timed is interpolated between timed ones, which is
+  optimistic (the draft pass costs at any length), so it is tried where it
+  might win.
+- Tokens per round: draft i's chance of acceptance given the ones before
+  it, a decaying count per depth of the rounds of that length (one cut
+  short by the tokens left counts as the next length's). Where a length has
+  seen little, it leans on every round's counts, which say roughly what a
+  shorter round would accept (its drafts are not a longer block's first
+  ones: on the toy pairs they accepted 10-20% more); a depth seen little
+  leans on the one before it.
 
-While plain steps win, the best drafting round still runs now and then, so
-that a draft that starts to help is found again, but only while what such
-rounds lost against plain steps (with what the plain steps next to them
-took beyond their time: the loop's caller charges it) stays within
-``budget`` of the loop's recent time: a useless draft costs at most that
-share (after its first rounds), on any pair.
+While plain steps win, the best drafting round still runs now and then (a
+probe) to find a draft that starts to help, while what probes lost against
+plain steps (with what the plain steps next to them took beyond their time,
+charged by the loop) stays within ``budget`` of the loop's recent time: a
+useless draft costs at most that share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -119,12 +115,9 @@ class Policy:
         timed = {n: s[0] / s[1] for (w, n), s in self.times.items() if w == width and s[1] >= TRUST}
         if length in timed or not timed:
             return timed.get(length)
-        below = [n for n in timed if n < length]
-        above = [n for n in timed if n > length]
-        if not below or not above:
-            return timed[max(below) if below else min(above)]
-        a, b = max(below), min(above)
-        return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a)
+        a = max((n for n in timed if n < length), default=0)  # the nearest timed lengths
+        b = min((n for n in timed if n > length), default=0)
+        return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a) if a and b else timed[a or b]
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
@@ -203,10 +196,8 @@ class Policy:
 
     def charge(self, seconds: float, width: int = 1) -> None:
         """Count ``seconds`` that plain steps next to a probe took beyond
-        their time against the budget (while plain steps win). Never less
-        than nothing: what looks like a gain there is the machine's noise
-        (counted, it let a useless draft probe twice as often on a jittery
-        modelled clock)."""
+        their time against the budget (while plain steps win); never less than
+        nothing (a gain there is noise: it let a useless draft probe 2x as often)."""
         if self.plain_wins(width):
             self.lost += max(seconds, 0.0)
 

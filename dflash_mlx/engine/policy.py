@@ -115,9 +115,12 @@ class Policy:
         timed = {n: s[0] / s[1] for (w, n), s in self.times.items() if w == width and s[1] >= TRUST}
         if length in timed or not timed:
             return timed.get(length)
-        a = max((n for n in timed if n < length), default=0)  # the nearest timed lengths
-        b = min((n for n in timed if n > length), default=0)
-        return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a) if a and b else timed[a or b]
+        below = [n for n in timed if n < length]
+        above = [n for n in timed if n > length]
+        if not below or not above:
+            return timed[max(below) if below else min(above)]
+        a, b = max(below), min(above)
+        return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a)
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most

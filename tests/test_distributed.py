@@ -230,12 +230,19 @@ def test_sharded_dflash_matches_plain_on_both_ranks(worker, tmp_path, target_fol
 
 
 def test_dead_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):
+    """Rank 1 exits mid-generation: rank 0's collective fails and it raises
+    DistributedError. Now and then (1 suite run in ~20 here) MLX's ring keeps
+    waiting on the closed socket instead of failing; then the watchdog ends
+    rank 0 with its own clear line."""
     target = target_folder("qwen3", tied=True)
     draft = str(make_draft(tmp_path / "right", target, echo=True))
-    p, (r0, r1) = run_worker(worker, tmp_path, target, env={"DIE_AFTER": "5"}, die=True, right=draft)
+    env = {"DIE_AFTER": "5", "DFLASH_MLX_COLLECTIVE_TIMEOUT": "20"}
+    p, (r0, r1) = run_worker(worker, tmp_path, target, env=env, die=True, right=draft)
     assert r1 is None  # it left silently (exit code 0), mid-generation
-    assert r0 is not None, p.stderr[-2000:]
-    assert "DistributedError" in r0["error"] and "lost the connection" in r0["error"], r0
+    if r0 is None:  # the ring's rare hang
+        assert "the other ranks did not answer for 20 s" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+    else:
+        assert "DistributedError" in r0["error"] and "lost the connection" in r0["error"], r0
 
 
 def test_stuck_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):

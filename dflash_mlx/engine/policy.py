@@ -68,8 +68,10 @@ class Policy:
     lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
     made: float = field(init=False, default=1.0)  # tokens a row committed in the last drafting round
     untimed: int = field(init=False, default=0)  # plain steps taken, not timed yet
-    # chances() from every round, kept until learn() changes the counts
+    # kept as best() asks 2-3 times a round: until learn() (chances, tokens) or time() (times)
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
+    _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
+    _timed: Dict[int, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
@@ -85,7 +87,7 @@ class Policy:
     def chances(self, length: Optional[int] = None) -> List[float]:
         """Each draft's estimated chance of acceptance given the ones before: from every round,
         or in rounds of ``length``, from theirs (leaning on every round's where they saw little)."""
-        if self._pooled is None:  # (kept until the next round is learnt)
+        if self._pooled is None:
             self._pooled, last = [], 0.5
             for h, t in zip(*self.counts()):
                 last = (h + self.prior * last) / (t + self.prior)
@@ -107,12 +109,16 @@ class Policy:
 
     def tokens(self, length: int) -> float:
         """Expected tokens committed by a round of ``length``."""
-        return self.gains(length)[length - 1]
+        if length not in self._tokens:
+            self._tokens[length] = self.gains(length)[length - 1]
+        return self._tokens[length]
 
     def seconds(self, length: int, width: int = 1) -> Optional[float]:
         """A round's expected seconds: measured, else interpolated between
         the nearest timed lengths (flat beyond them); None if none is timed."""
-        timed = {n: s[0] / s[1] for (w, n), s in self.times.items() if w == width and s[1] >= TRUST}
+        if width not in self._timed:
+            self._timed[width] = {n: s[0] / s[1] for (w, n), s in self.times.items() if w == width and s[1] >= TRUST}
+        timed = self._timed[width]
         if length in timed or not timed:
             return timed.get(length)
         below = [n for n in timed if n < length]
@@ -151,9 +157,8 @@ class Policy:
         return self.best(limit, width, least=2)
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
-        """A drafting round verified ``length`` tokens a row and accepted
-        ``accepted[r]`` drafts of row r."""
-        decay, self._pooled = self.memory ** len(accepted), None
+        """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
+        decay, self._pooled, self._tokens = self.memory ** len(accepted), None, {}
         for counts in [c for o in self.own.values() for c in o]:
             counts[:] = [c * decay for c in counts]
         n = self.kind(length)
@@ -193,6 +198,7 @@ class Policy:
             self.untimed = max(self.untimed - rounds, 0)
         if not book:
             return
+        self._timed = {}
         for _ in range(rounds):
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1

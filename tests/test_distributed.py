@@ -231,9 +231,9 @@ def test_sharded_dflash_matches_plain_on_both_ranks(worker, tmp_path, target_fol
 
 def test_dead_rank_ends_the_other_with_a_clear_error(worker, tmp_path, target_folder):
     """Rank 1 exits mid-generation: rank 0's collective fails and it raises
-    DistributedError. Now and then (1 suite run in ~20 here) MLX's ring keeps
-    waiting on the closed socket instead of failing; then the watchdog ends
-    rank 0 with its own clear line."""
+    DistributedError. Now and then (1 of 8 suite runs in sessions 31-32) MLX's
+    ring keeps waiting on the closed socket instead of failing; then the
+    watchdog ends rank 0 with its own clear line."""
     target = target_folder("qwen3", tied=True)
     draft = str(make_draft(tmp_path / "right", target, echo=True))
     env = {"DIE_AFTER": "5", "DFLASH_MLX_COLLECTIVE_TIMEOUT": "20"}

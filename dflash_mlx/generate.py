@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="Then decode the same prompt plainly with mlx-lm and print the speedup "
         "(greedy: also check that the text is identical).",
     )
-    p.add_argument("--compare-runs", type=int, default=3, metavar="N",
-                   help="With --compare: the speedup compares the fastest of N runs of each, "
-                        "alternating, after the run shown (one run swings by ~10%% here).")
+    p.add_argument("--compare-runs", type=int, default=5, metavar="N",
+                   help="With --compare: the speedup is the median of N pairs of runs (a DFlash "
+                        "and a plain one back to back), after the run shown (one run swings by ~10%% here).")
     return p
 
 
@@ -231,35 +231,44 @@ def _warm_up(model, draft, tokenizer, block_size) -> None:
 
 def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
     """Decode plainly with mlx-lm and report the speedup (and, greedy, identity):
-    the fastest of ``--compare-runs`` runs each, alternating. The DFlash runs
-    are the ones after the one shown, which also taught "auto" this draft
-    (as the first request of a session does), so that both sides' runs are alike."""
+    the median of ``--compare-runs`` pairs of runs, each pair a DFlash run and
+    a plain one back to back (which goes first alternates), so that both sides
+    of a pair see the machine alike. The DFlash runs are the ones after the
+    one shown, which also taught "auto" this draft (as the first request of a
+    session does)."""
+    import statistics
+
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
-    fast, plain = 0.0, None
-    for i in range(args.compare_runs):
+
+    def dflash() -> float:
         for d in _dflash(model, draft, tokenizer, prompt, args, processors):
             pass
-        fast = max(fast, d.generation_tps)
+        return d.generation_tps
+
+    pairs, out = [], ""  # (DFlash, plain) tok/s; the plain text
+    for i in range(args.compare_runs):
+        fast = dflash() if i % 2 == 0 else None
         out = ""
         for r in mlx_lm.stream_generate(
             model, tokenizer, prompt, max_tokens=args.max_tokens,
             sampler=sampler, logits_processors=processors,
         ):
             out += r.text
-        plain = out if plain is None else plain
-        best = r if i == 0 or r.generation_tps > best.generation_tps else best
-    runs = f"fastest of {args.compare_runs} runs each" if args.compare_runs > 1 else "one run each"
+        pairs.append((fast or dflash(), r.generation_tps))
+    ratios = sorted(f / p for f, p in pairs)
+    median = statistics.median
+    spread = f": {ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else ""
     print(
-        f"Plain mlx-lm decoding: {best.generation_tokens} tokens, "
-        f"{best.generation_tps:.3f} tokens-per-sec; DFlash {fast:.3f} tokens-per-sec, "
-        f"speedup {fast / best.generation_tps:.2f}x ({runs})"
+        f"Plain mlx-lm decoding: {r.generation_tokens} tokens, {median(p for _, p in pairs):.3f} "
+        f"tokens-per-sec; DFlash {median(f for f, _ in pairs):.3f} tokens-per-sec, speedup "
+        f"{median(ratios):.2f}x (median of {len(pairs)} alternating pairs{spread})"
     )
     if args.temp == 0:
-        print(f"Identical output: {'yes' if plain == text else 'NO'}")
-        return 0 if plain == text else 2
+        print(f"Identical output: {'yes' if out == text else 'NO'}")
+        return 0 if out == text else 2
     return 0
 
 

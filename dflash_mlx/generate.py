@@ -260,11 +260,13 @@ def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
         pairs.append((fast or dflash(), r.generation_tps))
     ratios = sorted(f / p for f, p in pairs)
     median = statistics.median
-    spread = f": {ratios[0]:.2f}-{ratios[-1]:.2f}" if len(ratios) > 1 else ""
+    how = "one pair"
+    if len(pairs) > 1:
+        how = f"median of {len(pairs)} alternating pairs: {ratios[0]:.2f}-{ratios[-1]:.2f}"
     print(
         f"Plain mlx-lm decoding: {r.generation_tokens} tokens, {median(p for _, p in pairs):.3f} "
         f"tokens-per-sec; DFlash {median(f for f, _ in pairs):.3f} tokens-per-sec, speedup "
-        f"{median(ratios):.2f}x (median of {len(pairs)} alternating pairs{spread})"
+        f"{median(ratios):.2f}x ({how})"
     )
     if args.temp == 0:
         print(f"Identical output: {'yes' if out == text else 'NO'}")

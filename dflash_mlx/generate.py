@@ -257,7 +257,7 @@ def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
             sampler=sampler, logits_processors=processors,
         ):
             out += r.text
-        pairs.append((fast or dflash(), r.generation_tps))
+        pairs.append((dflash() if fast is None else fast, r.generation_tps))
     ratios = sorted(f / p for f, p in pairs)
     median = statistics.median
     how = "one pair"

@@ -236,7 +236,7 @@ def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
     of a pair see the machine alike. The DFlash runs are the ones after the
     one shown, which also taught "auto" this draft (as the first request of a
     session does)."""
-    import statistics
+    from statistics import median
 
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
@@ -248,7 +248,7 @@ def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
             pass
         return d.generation_tps
 
-    pairs, out = [], ""  # (DFlash, plain) tok/s; the plain text
+    pairs = []  # (DFlash, plain) tok/s
     for i in range(args.compare_runs):
         fast = dflash() if i % 2 == 0 else None
         out = ""
@@ -259,7 +259,6 @@ def _compare(model, draft, tokenizer, prompt, args, processors, text) -> int:
             out += r.text
         pairs.append((dflash() if fast is None else fast, r.generation_tps))
     ratios = sorted(f / p for f, p in pairs)
-    median = statistics.median
     how = "one pair"
     if len(pairs) > 1:
         how = f"median of {len(pairs)} alternating pairs: {ratios[0]:.2f}-{ratios[-1]:.2f}"

@@ -183,12 +183,24 @@ def test_three_concurrent_clients(server, pair, client):
     def run(p):
         got[p] = client.completions.create(model="tiny", prompt=p, max_tokens=16).choices[0].text
 
-    batch = server[1].scheduler.batch
+    scheduler = server[1].scheduler
+    batch = scheduler.batch
     batch.widest = 0
+    started = threading.Event()
+
+    def hold():  # on the model thread, until all three requests are queued: they start together
+        started.set()
+        deadline = time.monotonic() + 60
+        while len(scheduler._waiting) < len(prompts) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    holder = threading.Thread(target=scheduler.call, args=(hold,))
+    holder.start()
+    assert started.wait(60)
     threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
-    for t in threads:
+    for t in threads + [holder]:
         t.join(60)
     assert got == want
     assert batch.widest > 1  # they were decoded together

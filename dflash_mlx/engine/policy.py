@@ -1,33 +1,37 @@
 """``block_size="auto"``: how many tokens each decoding round verifies.
 
-The choices are plain steps (1) and rounds of 2, 4, ... up to the draft's
-block (near the end, the tokens left); each round takes the one expected to
-commit the most tokens per second of the loop's own clock:
+The choices are the round lengths 1 (a plain step), 2, 4, ... up to the
+draft's block (near the end, also the tokens left); each round takes the
+one expected to commit the most tokens per second of the loop's own clock:
 
-- Seconds: a decaying mean of that length's rounds per batch width (not the
-  first after a switch to or from plain steps); the plain step and the full
-  block are timed first, a length not timed is interpolated.
-- Tokens: draft i's chance of acceptance given the ones before, decaying
-  counts per depth of that length's rounds, leaning on every round's where
-  it saw little (a depth seen little leans on the one before).
+- Seconds per round: a decaying mean of the rounds of that length, apart
+  for each batch width (the first round after a switch between drafting and
+  plain steps is not counted). The plain step and the full block are timed
+  first; a length not timed is interpolated between timed ones, which is
+  optimistic (the draft pass costs at any length), so it is tried where it
+  might win.
+- Tokens per round: draft i's chance of acceptance given the ones before
+  it, a decaying count per depth of the rounds of that length (one cut
+  short by the tokens left counts as the next length's). Where a length has
+  seen little, it leans on every round's counts, which say roughly what a
+  shorter round would accept (its drafts are not a longer block's first
+  ones: on the toy pairs they accepted 10-20% more); a depth seen little
+  leans on the one before it.
 
-Among drafting lengths the chances are drawn from what was seen (Thompson
-sampling), so a length seen little or unlucky is tried again. While plain
-steps win, the best drafting round still runs now and then (a probe) while
-what probes lost (with the slowdown of the plain steps next to them) stays
-within ``budget`` of the recent time: a useless draft costs at most that.
-What a policy learnt carries over to the draft's next generation. Nothing
-is measured ahead; the output never depends on the choice.
+While plain steps win, the best drafting round still runs now and then (a
+probe) to find a draft that starts to help, while what probes lost against
+plain steps (with what the plain steps next to them took beyond their time,
+charged by the loop) stays within ``budget`` of the loop's recent time: a
+useless draft costs at most that share (after its first rounds), on any pair.
+What a policy learnt carries over to the next generation with the same draft.
+Nothing is measured ahead, and no length is assumed faster than it runs, so
+the choice holds on any pair and machine; the output never depends on it.
 """
 
 import time
 import weakref
-from itertools import accumulate
-from operator import mul
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 
 TRUST = 1.0  # timed rounds (decayed) before a length's time is trusted
@@ -40,11 +44,13 @@ class Policy:
 
     Args:
         block_size: The draft's trained block size (the longest round).
-        memory: Decay per drafting round of the acceptance counts.
+        memory: Decay per drafting round of the acceptance counts (0.95
+            chose worse on noisy drafts, on a modelled clock).
         decay: Decay per round of a length's timing.
         prior: Pseudo-trials behind each depth's starting guess.
-        budget: The share of the time (over about ``window`` rounds) that
-            probes may lose against plain steps while plain steps win.
+        budget: The share of the time (over about the last ``window``
+            rounds) that drafting rounds may lose against plain steps while
+            plain steps win.
     """
 
     block_size: int
@@ -66,8 +72,6 @@ class Policy:
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
     _timed: Dict[int, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
-    _drawn: Dict[tuple, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
-    rng: np.random.Generator = field(init=False, default_factory=lambda: np.random.default_rng(0), repr=False)
 
     def __post_init__(self):
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
@@ -94,21 +98,20 @@ class Policy:
             out[: len(h)] = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
         return out
 
+    def gains(self, length: Optional[int] = None) -> List[float]:
+        """Expected tokens committed by a round of each length 1..block, by
+        the chances of :meth:`chances` (``length``: of rounds of that length)."""
+        reach, out = 1.0, [1.0]
+        for p in self.chances(length):
+            reach *= p
+            out.append(out[-1] + reach)
+        return out
+
     def tokens(self, length: int) -> float:
         """Expected tokens committed by a round of ``length``."""
         if length not in self._tokens:
-            self._tokens[length] = 1.0 + sum(accumulate(self.chances(length)[: length - 1], mul))
+            self._tokens[length] = self.gains(length)[length - 1]
         return self._tokens[length]
-
-    def drawn(self, options: List[int]) -> Dict[int, float]:
-        """Tokens committed by a round of each of ``options`` (>= 2), each chance
-        drawn from a Beta around its estimate, as narrow as its trials say."""
-        trials, own = self.counts()[1], [self.own.get(self.kind(n)) for n in options]
-        w = np.array([o[1] + trials[len(o[1]) :] if o else trials for o in own]) + self.prior
-        m = np.array([self.chances(n) for n in options])
-        p = self.rng.beta(np.maximum(m * w, 1e-6), np.maximum((1 - m) * w, 1e-6))
-        reach = np.cumprod(p, axis=1) * (np.arange(p.shape[1]) < np.array(options)[:, None] - 1)
-        return dict(zip(options, 1.0 + reach.sum(axis=1)))
 
     def seconds(self, length: int, width: int = 1) -> Optional[float]:
         """A round's expected seconds: measured, else interpolated between
@@ -118,13 +121,14 @@ class Policy:
         timed = self._timed[width]
         if length in timed or not timed:
             return timed.get(length)
-        a = max((n for n in timed if n < length), default=None)
-        b = min((n for n in timed if n > length), default=None)
-        if a is None or b is None:
-            return timed[b if a is None else a]
+        below = [n for n in timed if n < length]
+        above = [n for n in timed if n > length]
+        if not below or not above:
+            return timed[max(below) if below else min(above)]
+        a, b = max(below), min(above)
         return timed[a] + (timed[b] - timed[a]) * (length - a) / (b - a)
 
-    def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1, draw: bool = False) -> int:
+    def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
         tokens per second, ``width`` rows at once (the untimed full block first).
         A ``limit`` below the block (the tokens left) is an option too: one
@@ -137,23 +141,18 @@ class Policy:
             options = [n for n in options if n > 1] or [1]
         if self.seconds(options[-1], width) is None:  # nothing timed within the limit
             return options[-1]
-        if draw and tuple(options) not in self._drawn:  # kept until took(): choose() stays idempotent
-            self._drawn[tuple(options)] = self.drawn(options)
-        tokens = self._drawn[tuple(options)].get if draw else self.tokens
-        return max(options, key=lambda n: tokens(n) / self.seconds(n, width))
+        return max(options, key=lambda n: self.tokens(n) / self.seconds(n, width))
 
     def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
-        """The next round's length: plain steps while ``skip`` says so; if a
-        drafting length wins, the best by drawn chances; else plain steps, or
-        a probe (the best drafting length) while probes lost under ``budget``."""
+        """The next round's length: :meth:`best`, plain steps while ``skip``
+        says so, and while plain steps win, the best drafting round (a probe)
+        when probes have lost less than ``budget`` of the time."""
         limit = limit or self.block_size
         if self.skip > 0 or limit < 2:
             return 1
         best = self.best(limit, width)
-        if best > 1:
-            return self.best(limit, width, least=2, draw=True)
         spent = self.spent + self.untimed * (self.seconds(1, width) or 0.0)
-        if self.lost > self.budget * spent:
+        if best > 1 or self.lost > self.budget * spent:
             return best
         return self.best(limit, width, least=2)
 
@@ -171,7 +170,7 @@ class Policy:
                 trials[i] += 1
 
     def kind(self, length: int) -> int:
-        """The length whose counts a round of ``length`` adds to (a round cut short: the next one's)."""
+        """The length of :attr:`lengths` whose counts a round of ``length`` (maybe cut short) adds to."""
         return min(n for n in self.lengths if n >= length)
 
     def plain_wins(self, width: int = 1) -> bool:
@@ -214,7 +213,6 @@ class Policy:
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
-        self._drawn = {}
         if length == 1:
             self.skip = max(self.skip - 1, 0)
             self.untimed += 1
@@ -234,10 +232,12 @@ class Policy:
 
     @staticmethod
     def forget(draft) -> None:
-        """Drop what generations with ``draft`` taught (e.g. on a warm-up prompt)."""
+        """Drop what generations with ``draft`` taught (e.g. after a warm-up
+        on a throwaway prompt), so the next one starts afresh."""
         memo(draft).pop("policy", None)
 
 
+# id(draft) -> what its generations learnt (see memo).
 _learnt: Dict[int, dict] = {}
 
 

@@ -161,6 +161,28 @@ def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draf
     assert loss <= policy.budget * (spent + policy.window) + 6.6, (loss, spent, probes)
 
 
+def test_plain_steps_are_timed_at_their_steady_cost(modelled, loaded, draft_for, monkeypatch):
+    """As on MLX-CPU, the first plain step after a drafting round (or the
+    prompt) costs more (here 2 units more): the plain step's time must still be
+    what a step costs in a run of them (1 unit), not what the first steps
+    after a switch cost, or drafting wins on a plain step timed too dear."""
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    last, forward = [0], Target.forward
+
+    def cold_forward(self, tokens, *a, **k):
+        modelled[0] += 2 * (tokens.shape[-1] == 1 < last[0])
+        last[0] = tokens.shape[-1]
+        return forward(self, tokens, *a, **k)
+
+    monkeypatch.setattr(Target, "forward", cold_forward)
+    policy = Policy.of(draft)
+    for _ in range(4):
+        _, _, rounds = auto_run(model, draft, tok, PROMPTS[0], max_tokens=60)
+        assert sum(d for _, _, d in rounds) < len(rounds) / 2, rounds  # mostly plain steps
+        assert policy.seconds(1) == pytest.approx(1.0, rel=0.01), policy.seconds(1)
+
+
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     """An always-right draft: the full block, once the plain step is timed."""
     model, tok, folder = loaded("qwen3", tied=True)

@@ -489,7 +489,7 @@ class _Decoder:
             out = token
         if f is not None:
             self.dstate.extend(f)
-        self.timer.learn(1, 0, took=False)
+        self.timer.learn(1, 0, took=False, queued=self.ahead is not None)
         self.rounds += 1
         self.committed += 1
         self.verified = 1

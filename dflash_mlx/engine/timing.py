@@ -12,9 +12,12 @@ from .policy import Policy
 class RoundTimer:
     """Times the loop's rounds and books them in the Policy.
 
-    Plain steps are timed by the stretch, from the end of the round before
-    the first to the end of the last, over their number: a pipelined step's
-    work lands in the round that queued it. A drafting round is timed from
+    Plain steps are timed by the stretch, from the end of its first step to
+    the end of the last, over the steps whose work that holds: a pipelined
+    step's work lands in the round that queued it, and the first step after
+    a switch (or the prompt) runs alone and slower (2-3 steps' time on
+    MLX-CPU), so a short stretch timed from its start made plain steps look
+    ~50% dearer than they run. A drafting round is timed from
     the end of the last one; after plain steps only against the policy's
     budget (it reads their features too). Under mlx.launch, rank 0's times,
     a round late (sent with the next round's tokens, see :meth:`agree`).
@@ -35,6 +38,7 @@ class RoundTimer:
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
         self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
+        self._first, self._ahead = 0.0, (False, False)  # the first one's end; (it, the last) queued the next
         self._prev = 0.0  # when the round before the last one ended
         self._before = None  # after a switch to drafting: what the plain step before it took
         self._lags = []  # under mlx.launch: [length (0: a charge), microseconds, rounds] not yet agreed
@@ -44,8 +48,9 @@ class RoundTimer:
         row was in, just ended)."""
         self._last, self._run, self._before, self._tick = None, 0, None, _policy.clock()
 
-    def learn(self, length: int, accepted: int, took: bool = True) -> None:
-        """Teach the policy a round whose tokens were just read, and time it."""
+    def learn(self, length: int, accepted: int, took: bool = True, queued: bool = False) -> None:
+        """Teach the policy a round whose tokens were just read, and time it
+        (``queued``: a plain step that queued the next one)."""
         now, drafted = _policy.clock(), length > 1
         if self.policy is not None:
             if self._before is not None and not drafted:
@@ -53,18 +58,18 @@ class RoundTimer:
             self._before = None
             if drafted:
                 self.policy.learn(length, [accepted])
-                if self._run:
-                    self._time(1, (self._tick - self._start) / self._run, self._run)
+                self._stretch()
                 # After plain steps (or the prompt) it also reads their features.
                 self._time(length, now - self._tick, 1, book=bool(self._last))
                 if not self._last:
                     self._before = self._tick - self._prev if self._run else 0.0
                 self._run = 0
             else:
-                self._start = self._start if self._run else self._tick
-                self._run += 1
+                if not self._run:
+                    self._start, self._first, self._ahead = self._tick, now, (queued, queued)
+                self._run, self._ahead = self._run + 1, (self._ahead[0], queued)
                 if self._run >= 3 and not self.policy.timed(1):  # no need to wait for a drafting round
-                    self._time(1, (now - self._start) / self._run, self._run)
+                    self._stretch(now)
                     self._run = 0
             if took:
                 self.policy.took(length)
@@ -73,9 +78,23 @@ class RoundTimer:
     def end(self) -> None:
         """The generation ended: its last plain steps count in the budget's time."""
         if self.policy is not None:
-            if self._run and group() is None:
-                self.policy.time(1, (self._tick - self._start) / self._run, rounds=self._run)
+            if group() is None:
+                self._stretch()
             self.policy.end()
+
+    def _stretch(self, end: Optional[float] = None) -> None:
+        """Time the plain steps since the last drafting round, which ended at
+        ``end`` (the last round's end): per step, from the first one's end
+        over the steps done since (each queued step's work is done by the one
+        that queued it); with too few of them, only against the budget."""
+        n, end = self._run, self._tick if end is None else end
+        if not n:
+            return
+        done = n - 1 - self._ahead[0] + self._ahead[1]
+        if done >= 1:
+            self._time(1, (end - self._first) / done, n)
+        else:
+            self._time(1, (end - self._start) / n, n, book=False)
 
     def agree(self, values: mx.array, block: mx.array) -> List[int]:
         """Rank 0's ``values`` (see :func:`agree`) as a list; under mlx.launch

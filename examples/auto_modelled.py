@@ -37,7 +37,7 @@ from mlx.utils import tree_map
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.engine import policy
+from dflash_mlx.engine import decoding, policy
 from dflash_mlx.engine.draft import DFlashDraft
 from dflash_mlx.engine.target import Target
 
@@ -137,6 +137,7 @@ def main():
         return n
 
     Target.forward, DFlashDraft.propose, policy.clock = timed_forward, timed_propose, lambda: seen[0]
+    decoding.PIPELINE = False  # each plain step charged in its own round, as computed there
     if args.trace:
         policy.Policy.choose = traced_choose
     try:
@@ -170,6 +171,7 @@ def main():
             autos.append((seed, rate("auto", order, rounds, seed), rounds))
     finally:
         Target.forward, DFlashDraft.propose, policy.clock = forward, propose, clock
+        decoding.PIPELINE = True
         policy.Policy.choose = choose
     best = max(rates.values())
     name = f"{args.pair}{' + ' + args.draft if args.draft else ''} noise={args.noise} random={args.random} pace={args.pace}"

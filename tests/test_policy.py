@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ARCHS
 from dflash_mlx import GenerationArgumentError, stream_generate
-from dflash_mlx.engine import policy as pol
+from dflash_mlx.engine import decoding, policy as pol
 from dflash_mlx.engine.draft import DFlashDraft
 from dflash_mlx.engine.policy import Policy
 from dflash_mlx.engine.target import Target
@@ -21,7 +21,8 @@ PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n"]
 def modelled(monkeypatch):
     """The loop's clock made of modelled costs, so the choices do not depend
     on this machine: a target forward of L tokens takes 1 + 0.1 (L - 1)
-    units, a draft pass 0.5, the rest nothing."""
+    units, a draft pass 0.5, the rest nothing (plain steps not pipelined, so
+    that each costs in its own round, as it is computed there)."""
     now = [0.0]
     forward, propose = Target.forward, DFlashDraft.propose
 
@@ -36,6 +37,7 @@ def modelled(monkeypatch):
     monkeypatch.setattr(Target, "forward", timed_forward)
     monkeypatch.setattr(DFlashDraft, "propose", timed_propose)
     monkeypatch.setattr(pol, "clock", lambda: now[0])
+    monkeypatch.setattr(decoding, "PIPELINE", False)
     return now
 
 
@@ -125,20 +127,19 @@ def test_useless_draft_costs_the_budget_in_every_generation(modelled, loaded, dr
 
 def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draft_for, monkeypatch):
     """As on MLX-CPU, the target runs slower right after a draft pass (here
-    its next three forwards cost 2 units more each, most of it in the plain
-    step after the probe): a useless draft's probes still lose no more than
-    the budget, slowdown included."""
+    the probe's forward costs 2 units more and the plain step after it 4
+    more): a useless draft's probes still lose no more than the budget,
+    slowdown included."""
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)
-    cold, forward, propose = [0], Target.forward, DFlashDraft.propose
+    cold, forward, propose = [], Target.forward, DFlashDraft.propose
 
     def slowed_forward(self, *a, **k):
-        modelled[0] += 2 * (cold[0] > 0)
-        cold[0] = max(cold[0] - 1, 0)
+        modelled[0] += cold.pop(0) if cold else 0
         return forward(self, *a, **k)
 
     def chilling_propose(self, *a, **k):
-        cold[0] = 3
+        cold[:] = [2, 4]
         return propose(self, *a, **k)
 
     monkeypatch.setattr(Target, "forward", slowed_forward)
@@ -147,7 +148,7 @@ def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draf
     auto_run(model, draft, tok, prompt, max_tokens=60)  # the full block and plain steps are timed
     start, made, probes = modelled[0], 0, 0
     for _ in range(6):
-        cold[0] = 0
+        cold.clear()
         _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
         made += sum(a for _, a, _ in rounds)
         probes += sum(d for _, _, d in rounds)

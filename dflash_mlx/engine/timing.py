@@ -13,11 +13,11 @@ class RoundTimer:
     """Times the loop's rounds and books them in the Policy.
 
     Plain steps are timed by the stretch, from the end of its first step to
-    the end of the last, over the steps whose work that holds: a pipelined
-    step's work lands in the round that queued it, and the first step after
-    a switch (or the prompt) runs alone and slower (2-3 steps' time on
-    MLX-CPU), so a short stretch timed from its start priced a 5.7 ms step
-    at 9.2 ms on the demo target. A drafting round is timed from
+    the end of the last, over the steps computed in that span (all but the
+    first: a queued step is computed after the one that queued it is read).
+    The first step after a switch (or the prompt) runs alone and slower (2-3
+    steps' time on MLX-CPU), so a short stretch timed from its start priced
+    a 5.7 ms step at 9.2 ms on the demo target. A drafting round is timed from
     the end of the last one; after plain steps only against the policy's
     budget (it reads their features too). Under mlx.launch, rank 0's times,
     a round late (sent with the next round's tokens, see :meth:`agree`).
@@ -38,7 +38,7 @@ class RoundTimer:
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
         self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
-        self._first, self._ahead = 0.0, (False, False)  # the first one's end; (it, the last) queued the next
+        self._first = 0.0  # the first one's end
         self._prev = 0.0  # when the round before the last one ended
         self._before = None  # after a switch to drafting: what the plain step before it took
         self._lags = []  # under mlx.launch: [length (0: a charge), microseconds, rounds] not yet agreed
@@ -48,9 +48,8 @@ class RoundTimer:
         row was in, just ended)."""
         self._last, self._run, self._before, self._tick = None, 0, None, _policy.clock()
 
-    def learn(self, length: int, accepted: int, took: bool = True, queued: bool = False) -> None:
-        """Teach the policy a round whose tokens were just read, and time it
-        (``queued``: a plain step that queued the next one)."""
+    def learn(self, length: int, accepted: int, took: bool = True) -> None:
+        """Teach the policy a round whose tokens were just read, and time it."""
         now, drafted = _policy.clock(), length > 1
         if self.policy is not None:
             if self._before is not None and not drafted:
@@ -66,8 +65,8 @@ class RoundTimer:
                 self._run = 0
             else:
                 if not self._run:
-                    self._start, self._first, self._ahead = self._tick, now, (queued, queued)
-                self._run, self._ahead = self._run + 1, (self._ahead[0], queued)
+                    self._start, self._first = self._tick, now
+                self._run += 1
                 if self._run >= 3 and not self.policy.timed(1):  # no need to wait for a drafting round
                     self._stretch(now)
                     self._run = 0
@@ -83,17 +82,13 @@ class RoundTimer:
             self.policy.end()
 
     def _stretch(self, end: Optional[float] = None) -> None:
-        """Time the plain steps since the last drafting round, which ended at
-        ``end`` (the last round's end): per step, from the first one's end
-        over the steps done since (each queued step's work is done by the one
-        that queued it); with too few of them, only against the budget."""
+        """Time the plain steps since the last drafting round, the last of
+        them ended at ``end`` (default: the last round's end): per step, from
+        the first one's end; a lone step only against the budget."""
         n, end = self._run, self._tick if end is None else end
-        if not n:
-            return
-        done = n - 1 - self._ahead[0] + self._ahead[1]
-        if done >= 1:
-            self._time(1, (end - self._first) / done, n)
-        else:
+        if n > 1:
+            self._time(1, (end - self._first) / (n - 1), n)
+        elif n:
             self._time(1, (end - self._start) / n, n, book=False)
 
     def agree(self, values: mx.array, block: mx.array) -> List[int]:

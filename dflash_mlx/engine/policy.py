@@ -218,8 +218,8 @@ class Policy:
             self.untimed += 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 3
-        elif self.plain_wins(width):  # a probe: then plain steps, the
-            self.skip = 2  # first queueing the next, as the charge for them assumes
+        elif self.plain_wins(width):  # a probe: then two plain steps, so the one
+            self.skip = 2  # charged after it is not also charged before the next
 
     def end(self) -> None:
         """A generation ended: plain steps not timed by then never will be."""

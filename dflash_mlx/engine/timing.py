@@ -24,10 +24,9 @@ class RoundTimer:
 
     The plain steps next to a switch to drafting run slower than the
     switch's own time shows (on MLX-CPU a probe lost 2x what it took beyond
-    a plain step): the one before it and the one after, which do two steps'
-    work between them (the one before queues none, the one after queues the
-    next), are charged against the probes' budget for what they took beyond
-    two plain steps.
+    a plain step): the one before it and the one after (which runs alone, as
+    the first step after any switch does) are charged against the probes'
+    budget for what they took beyond two plain steps.
 
     Args:
         policy: The policy to teach, or None (nothing is booked).

@@ -216,6 +216,12 @@ def test_greedy_fast_path_agrees_with_exact_path():
     assert exact(process(logits, None, None, None)).tolist() == [5, 5, 5]
     assert mx.argmax(logits, axis=-1).tolist() == [9, 9, 9]
     assert greedy(logits)[1].item(), "the near-tie was not flagged"
+    for top in (np.inf, np.nan, -np.inf):  # a non-finite top: the exact path decides
+        x = np.asarray(rng.standard_normal((2, 4160)), dtype=np.float32)
+        x[1, 7] = top
+        if top == -np.inf:
+            x[1] = top
+        assert greedy(mx.array(x))[1].item(), f"a top of {top} was not flagged"
 
 
 def test_round_redoes_near_ties_exactly(loaded):
@@ -227,3 +233,35 @@ def test_round_redoes_near_ties_exactly(loaded):
     out, a = dec._choose(near_tie_logits(), [1, 2], mx.array([2, 5, 7]), mx.array([5, 7]))
     # A bare argmax would choose 9 everywhere and accept nothing.
     assert out[:3] == [5, 5, 5] and a == 1
+
+
+class _NearTieAt:
+    """A target instance whose logits at sequence position ``pos`` are a
+    near tie (see near_tie_logits), wherever a forward pass computes them."""
+
+    def __init__(self, model, pos: int):
+        self._model, self._pos = model, pos
+
+    def __getattr__(self, key):
+        return getattr(self._model, key)
+
+    def __call__(self, inputs, cache=None, **kw):
+        start = cache[0].offset if cache else 0
+        logits = self._model(inputs, cache=cache, **kw)
+        if start <= self._pos < start + inputs.shape[-1]:
+            logits[:, self._pos - start] = near_tie_logits(1, logits.shape[-1])
+        return logits
+
+
+def test_plain_steps_redo_near_ties_exactly(loaded, draft_for):
+    """A plain step whose greedy() is unsure takes the exact path's token, and
+    the step queued on the bare argmax's token is taken back."""
+    model, tok, folder = loaded("qwen3")
+    prompt = "import os\n"
+    pos = len(tok.encode(prompt)) + 3
+    tied = _NearTieAt(model, pos)
+    ref = mlx_tokens(tied, tok, prompt, 12)
+    assert ref[pos - len(tok.encode(prompt)) + 1] == 5  # the exact path's choice (a bare argmax: 9)
+    for bs in (1, 4):
+        out, _ = dflash_tokens(tied, draft_for(folder), tok, prompt, block_size=bs, max_tokens=12)
+        assert out == ref, bs

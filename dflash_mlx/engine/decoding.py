@@ -363,7 +363,7 @@ class _Decoder:
         # no logits processors (they would need the token on the host).
         self.pipelined = (PIPELINE and not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
-        self.ahead = None  # the queued step: (token [1] or [2], features, log-probabilities)
+        self.ahead = None  # the queued step: (token [1], doubt flag or None, features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
         self.timer = RoundTimer(policy)  # teaches the policy that chooses each round's length ("auto")
@@ -479,17 +479,17 @@ class _Decoder:
     def _plain(self, anchor: mx.array, pos: int, more: int) -> List[int]:
         """A plain step (its token at position ``pos``), the next one queued
         before this one's token is read when the next round is a plain step too."""
-        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
+        y, unsure, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
         self.ahead = None
         if self.policy is not None:
             self.policy.took(1)
         if more and self.length(more) == 1:
-            self.ahead = self._step(y[:1], pos + 1)
-            mx.async_eval(self.ahead[0])
+            self.ahead = self._step(y, pos + 1)
+            mx.async_eval(self.ahead[:2] if unsure is not None else self.ahead[0])
         out = y.tolist()
-        if len(out) > 1:  # greedy: the token and the doubt flag of greedy()
-            token = out[:1] if not out[1] else mx.argmax(self.logprobs, axis=-1).tolist()
-            if token != out[:1]:  # rare: the queued step followed the wrong token
+        if unsure is not None and unsure.item():  # rare: greedy() was unsure
+            token = mx.argmax(self.logprobs, axis=-1).tolist()
+            if token != out:  # the queued step followed the wrong token
                 self.settle()
             out = token
         if f is not None:
@@ -509,16 +509,15 @@ class _Decoder:
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position
-        ``pos``), the features and the log-probabilities, lazily. Greedy, the
-        token comes from the logits (no exp over the vocabulary, which mlx-lm's
-        loop pays every step) with greedy()'s doubt flag after it: [2]."""
+        ``pos``), lazily, with greedy()'s doubt flag (else None), the features
+        and the log-probabilities. Greedy, the token comes from the logits:
+        no exp over the vocabulary, which mlx-lm's loop pays every step."""
         logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
-        logp = process(logits[-1:], None, None, None)
+        logp = process(logits, None, None, None)
         if self.fast and logits.dtype == mx.float32:
-            y, unsure = greedy(logits[-1:])
-            return mx.concatenate([y, unsure.reshape(1)]).astype(token.dtype), f, logp
-        y = self.pick(logits[-1:], logp, pos)
-        return y.astype(token.dtype), f, logp
+            y, unsure = greedy(logits)
+            return y.astype(token.dtype), unsure, f, logp
+        return self.pick(logits, logp, pos).astype(token.dtype), None, f, logp
 
     def settle(self) -> None:
         """Take a queued step back out of the caches (the generation ended)."""

@@ -234,6 +234,10 @@ class Target:
         ``tokens`` [B, L] (batched caches) gives logits [B, L, V] and features
         [B, L, n*H]."""
         batch = tokens if tokens.ndim == 2 else tokens[None]
+        if not layer_ids and not record:  # nothing to tap: the context costs ~1% of a toy step
+            with self.lock:
+                logits = self.model(batch, cache=cache)
+            return (logits if tokens.ndim == 2 else logits[0]), None, None
         with self.lock, self._taps(layer_ids, cache if record else None) as (
             taps,
             tape,

@@ -193,10 +193,10 @@ def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=60)
     assert out == ref
     # The ends are timed first (the first round after a switch not counted):
-    # two full blocks, three plain steps; then the longest that fits.
-    assert rounds[:5] == [(16, 16, True)] * 2 + [(1, 1, False)] * 3, rounds
-    assert all(v == a and (d or v == 1) for v, a, d in rounds[5:]), rounds
-    assert sum(a for _, a, d in rounds[5:] if d) >= 16, rounds
+    # two full blocks, four plain steps; then the longest that fits.
+    assert rounds[:6] == [(16, 16, True)] * 2 + [(1, 1, False)] * 4, rounds
+    assert all(v == a and (d or v == 1) for v, a, d in rounds[6:]), rounds
+    assert sum(a for _, a, d in rounds[6:] if d) >= 16, rounds
     again = auto_run(model, draft, tok, "class A:\n", max_tokens=60)[2]
     # The last round verifies all the tokens left (11), not 8, 2 and 1.
     assert again == [(16, 16, True)] * 3 + [(11, 11, True)], again
@@ -362,7 +362,7 @@ def test_ends_are_timed_first_then_the_fastest_length_wins():
         p.learn(16, [3])
     assert p.choose() == 16
     timed(p, 16, 0.010, 3)  # 4 tokens in 10 ms
-    for _ in range(3):  # then three plain steps
+    for _ in range(4):  # then four plain steps
         assert p.choose() == 1
         timed(p, 1, 0.004)  # plain: 1 token in 4 ms
     # Depths 0-2 always right, depth 3 wrong: E(4) = 4; 4 is interpolated

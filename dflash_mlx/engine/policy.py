@@ -217,7 +217,7 @@ class Policy:
             self.skip = max(self.skip - 1, 0)
             self.untimed += 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
-            self.skip = 3
+            self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps, so the one
             self.skip = 2  # charged after it is not also charged before the next
 

@@ -12,12 +12,19 @@ from .policy import Policy
 class RoundTimer:
     """Times the loop's rounds and books them in the Policy.
 
-    Plain steps are timed by the stretch, from the end of its first step to
-    the end of the last, over the steps computed in that span (all but the
-    first: a queued step is computed after the one that queued it is read).
-    The first step after a switch (or the prompt) runs alone and slower (2-3
-    steps' time on MLX-CPU), so a short stretch timed from its start priced
-    a 5.7 ms step at 9.2 ms on the demo target. A drafting round is timed from
+    Plain steps are timed by the stretch, over its rounds but the first two
+    and the last: which round computes a step depends on the platform, and
+    those are the rounds where it differs. A pipelined step is read once the
+    next one is queued. On MLX-CPU async_eval computes what it is given, so
+    the first round computes two steps, each next one the step it queues,
+    and a last round that queues none computes nothing (the demo target: 12,
+    5 and 1 ms, where its steps take 4). Where async_eval returns at once,
+    the first step is read when the second (queued with it: MLX signals a
+    whole evaluation at once) is done, and the second at once, and each
+    next one after its own step. Either way, rounds 3 .. n - 1 compute n - 3
+    steps. Counted from the first step's end, a stretch of 2 steps was
+    priced at 0.25 ms; from its start, a short stretch priced a 5.7 ms step
+    at 9.2 ms (the first step after a switch runs slower). A drafting round is timed from
     the end of the last one; after plain steps only against the policy's
     budget (it reads their features too). Under mlx.launch, rank 0's times,
     a round late (sent with the next round's tokens, see :meth:`agree`).
@@ -37,7 +44,7 @@ class RoundTimer:
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
         self._run, self._start = 0, 0.0  # plain steps since the last drafting round, from when
-        self._first = 0.0  # the first one's end
+        self._second = 0.0  # the second one's end
         self._prev = 0.0  # when the round before the last one ended
         self._before = None  # after a switch to drafting: what the plain step before it took
         self._lags = []  # under mlx.launch: [length (0: a charge), microseconds, rounds] not yet agreed
@@ -64,10 +71,12 @@ class RoundTimer:
                 self._run = 0
             else:
                 if not self._run:
-                    self._start, self._first = self._tick, now
+                    self._start = self._tick
+                elif self._run == 1:
+                    self._second = now
                 self._run += 1
-                if self._run >= 3 and not self.policy.timed(1):  # no need to wait for a drafting round
-                    self._stretch(now)
+                if self._run >= 4 and not self.policy.timed(1):  # no need to wait for a drafting round
+                    self._stretch(self._tick, now)
                     self._run = 0
             if took:
                 self.policy.took(length)
@@ -80,13 +89,15 @@ class RoundTimer:
                 self._stretch()
             self.policy.end()
 
-    def _stretch(self, end: Optional[float] = None) -> None:
-        """Time the plain steps since the last drafting round, the last of
-        them ended at ``end`` (default: the last round's end): per step, from
-        the first one's end; a lone step only against the budget."""
-        n, end = self._run, self._tick if end is None else end
-        if n > 1:
-            self._time(1, (end - self._first) / (n - 1), n)
+    def _stretch(self, before: Optional[float] = None, end: Optional[float] = None) -> None:
+        """Time the plain steps since the last drafting round, the last two
+        of them ended at ``before`` and ``end`` (default: the last two
+        rounds' ends): per step, over rounds 3 .. n - 1 (see the class);
+        up to three steps only against the budget."""
+        n = self._run
+        before, end = self._prev if before is None else before, self._tick if end is None else end
+        if n > 3:
+            self._time(1, (before - self._second) / (n - 3), n)
         elif n:
             self._time(1, (end - self._start) / n, n, book=False)
 

@@ -90,7 +90,7 @@ def main():
     ap.add_argument("--trace", type=argparse.FileType("w"),
                     help="Write each counted round of auto as a JSON line: seed, prompt, the length "
                          "chosen, each length's expected tokens and tokens per second then, and the "
-                         "probes' budget (lost_ms, spent_ms, untimed).")
+                         "probes' budget (lost_ms, spent_ms).")
     args = ap.parse_args()
     if args.draft_ms is not None and args.draft_ms <= 0:
         ap.error(f"--draft-ms must be positive, got {args.draft_ms}")
@@ -131,9 +131,8 @@ def main():
                 "seed": where[0][0], "prompt": where[0][1], "length": n,
                 "tokens": {m: round(t, 3) for m, (t, _) in est.items()},
                 "per_s": {m: s and round(t / s, 1) for m, (t, s) in est.items()},
-                # the probes' budget: what they lost, the timed rounds' decaying ms, plain steps not timed yet
-                "lost_ms": round(self.lost * 1e3, 2), "spent_ms": round(self.spent * 1e3, 1),
-                "untimed": self.untimed}) + "\n")
+                # the probes' budget: what the rounds lost, their decaying ms
+                "lost_ms": round(self.lost * 1e3, 2), "spent_ms": round(self.spent * 1e3, 1)}) + "\n")
         return n
 
     Target.forward, DFlashDraft.propose, policy.clock = timed_forward, timed_propose, lambda: seen[0]

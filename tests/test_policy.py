@@ -147,14 +147,14 @@ def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draf
     prompt = PROMPTS[0]
     auto_run(model, draft, tok, prompt, max_tokens=60)  # the full block and plain steps are timed
     start, made, probes = modelled[0], 0, 0
-    for _ in range(6):
+    for _ in range(8):
         cold.clear()
         _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
         made += sum(a for _, a, _ in rounds)
         probes += sum(d for _, _, d in rounds)
     prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
     spent = modelled[0] - start
-    loss = spent - 6 * prefill - made
+    loss = spent - 8 * prefill - made
     # Over its window the budget may have been unspent when this began, and
     # one probe (6.6 units: 1.6 + 3 x 2 - 1) may go over it.
     policy = Policy.of(draft)
@@ -349,9 +349,11 @@ def test_backoff_carries_over_to_the_next_generation(modelled, loaded, draft_for
 
 def timed(p, length, seconds, accepted=None, width=1):
     """One round of ``length`` as the loop reports it to policy ``p``."""
+    rows = [accepted] * width if isinstance(accepted, int) else accepted
     if length > 1:
-        p.learn(length, [accepted] * width if isinstance(accepted, int) else accepted)
+        p.learn(length, rows)
     p.time(length, seconds, width)
+    p.spend(seconds, 1 + sum(rows) / len(rows) if length > 1 else 1, width)
     p.took(length, width)
 
 
@@ -434,20 +436,6 @@ def test_probes_lose_at_most_the_budget():
         timed(p, n, 0.004 if n == 1 else 0.006, n - 1)
         probes += n > 1
     assert probes <= 3 and p.choose() > 1
-
-
-def test_a_probes_neighbours_never_count_as_a_gain():
-    """Plain steps next to a probe that ran faster than their mean are the
-    machine's noise: the budget does not get them back."""
-    p = Policy(16)
-    for n in (16, 16, 1, 1, 2, 2):
-        timed(p, n, 0.004 if n == 1 else 0.006 if n == 2 else 0.010, 0)
-    assert p.plain_wins() and p.lost > 0
-    lost = p.lost
-    p.charge(-0.003)
-    assert p.lost == lost
-    p.charge(0.002)
-    assert p.lost == pytest.approx(lost + 0.002)
 
 
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():

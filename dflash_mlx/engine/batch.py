@@ -205,8 +205,10 @@ class Batch:
         if self.policy is not None:
             if accepted:
                 self.policy.learn(length, accepted)
-            if self._last is not None:  # a switch: counted against the budget only
-                self.policy.time(length, now - self._tick, width, book=kind == self._last)
+            if self._last is not None:
+                if kind == self._last:  # not a switch
+                    self.policy.time(length, now - self._tick, width)
+                self.policy.spend(now - self._tick, 1 + sum(accepted) / len(accepted) if accepted else 1, width)
             self.policy.took(length, width)
         self._tick, self._last = now, kind
 

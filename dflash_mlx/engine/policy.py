@@ -19,10 +19,11 @@ one expected to commit the most tokens per second of the loop's own clock:
   leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
-probe) to find a draft that starts to help, while what probes lost against
-plain steps (with what the plain steps next to them took beyond their time,
-charged by the loop) stays within ``budget`` of the loop's recent time: a
-useless draft costs at most that share (after its first rounds), on any pair.
+probe) to find a draft that starts to help, while what the rounds lost
+against plain steps (each round's time against its tokens at the plain
+price: the probes and the switches around them) stays within ``budget`` of
+the loop's recent time: a useless draft costs at most that share (after its
+first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -64,10 +65,8 @@ class Policy:
     # length -> [hits, trials]: its rounds' decaying counts per depth
     own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
-    spent: float = field(init=False, default=0.0)  # decaying seconds of all timed rounds
-    lost: float = field(init=False, default=0.0)  # of those, what probes lost against plain steps
-    made: float = field(init=False, default=1.0)  # tokens a row committed in the last drafting round
-    untimed: int = field(init=False, default=0)  # plain steps taken, not timed yet
+    spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
+    lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     # kept as best() asks 2-3 times a round: until learn() (chances, tokens) or time() (times)
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
@@ -151,8 +150,7 @@ class Policy:
         if self.skip > 0 or limit < 2:
             return 1
         best = self.best(limit, width)
-        spent = self.spent + self.untimed * (self.seconds(1, width) or 0.0)
-        if best > 1 or self.lost > self.budget * spent:
+        if best > 1 or self.lost > self.budget * self.spent:
             return best
         return self.best(limit, width, least=2)
 
@@ -163,7 +161,6 @@ class Policy:
             counts[:] = [c * decay for c in counts]
         n = self.kind(length)
         hits, trials = self.own.setdefault(n, [[0.0] * (n - 1), [0.0] * (n - 1)])
-        self.made = 1 + sum(accepted) / len(accepted)
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
                 hits[i] += i < a
@@ -181,49 +178,42 @@ class Policy:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""
         return self.times.get((width, length), [0, 0])[1] >= TRUST
 
-    def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1, book: bool = True) -> None:
+    def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1) -> None:
         """``rounds`` rounds of ``length`` on ``width`` rows took ``seconds``
-        each (a drafting round: the one :meth:`learn` was told last). Not
-        ``book``: a round timed with more than its own work (the first after
-        a switch), counted only against the budget."""
+        each (a drafting round: the one :meth:`learn` was told last); not the
+        first after a switch, which does more than its own work."""
         s = self.times.setdefault((width, length), [0.0, 0.0])
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])
-        keep = max(1 - rounds / self.window, 0.0)
-        self.lost *= keep
-        self.spent = self.spent * keep + seconds * rounds
-        if length > 1 and self.plain_wins(width):  # a probe
-            self.lost = max(self.lost + seconds - self.made * self.seconds(1, width), 0.0)
-        if length == 1:
-            self.untimed = max(self.untimed - rounds, 0)
-        if not book:
-            return
         self._timed = {}
         for _ in range(rounds):
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1
 
-    def charge(self, seconds: float, width: int = 1) -> None:
-        """Count ``seconds`` that plain steps next to a probe took beyond
-        their time against the budget (while plain steps win); never less than
-        nothing (a gain there is noise: it let a useless draft probe 2x as often)."""
+    def spend(self, seconds: float, tokens: float, width: int = 1) -> None:
+        """A round took ``seconds`` and committed ``tokens`` a row. While
+        plain steps win, what it took beyond their time for as many tokens
+        counts as lost: probes, and whatever a switch costs the rounds next
+        to them, wherever the platform computes it. A round that drafted
+        tokens never counts as a gain: a lucky probe of a useless draft would
+        buy the next ones. A plain round may (the one after a switch that
+        computes no step makes up for one that computed two)."""
+        keep = 1 - 1 / self.window
+        self.lost *= keep
+        self.spent = self.spent * keep + seconds
         if self.plain_wins(width):
-            self.lost += max(seconds, 0.0)
+            loss = seconds - tokens * self.seconds(1, width)
+            self.lost += max(loss, 0.0) if tokens > 1 else loss
 
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
         if length == 1:
             self.skip = max(self.skip - 1, 0)
-            self.untimed += 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
-        elif self.plain_wins(width):  # a probe: then two plain steps, so the one
-            self.skip = 2  # charged after it is not also charged before the next
-
-    def end(self) -> None:
-        """A generation ended: plain steps not timed by then never will be."""
-        self.untimed = 0
+        elif self.plain_wins(width):  # a probe: then two plain steps
+            self.skip = 2
 
     @staticmethod
     def of(draft) -> "Policy":

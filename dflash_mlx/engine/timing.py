@@ -25,9 +25,9 @@ class RoundTimer:
     steps. Counted from the first step's end, a stretch of 2 steps was
     priced at 0.25 ms; from its start, a short stretch priced a 5.7 ms step
     at 9.2 ms (the first step after a switch runs slower). A drafting round
-    is timed from the end of the last one; after plain steps only against
-    the policy's budget (it reads their features too). Every round, from the
-    last one's end, is also spent against the budget (:meth:`Policy.spend`).
+    is timed from the end of the last one, unless plain steps (or the
+    prompt) came before it: it also reads their features. Every round, from
+    the last one's end, is spent against the budget (:meth:`Policy.spend`).
     Under mlx.launch, rank 0's times, a round late (sent with the next
     round's tokens, see :meth:`agree`).
 

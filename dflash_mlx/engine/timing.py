@@ -64,7 +64,7 @@ class RoundTimer:
                     self._second = now
                 self._run += 1
                 if self._run >= 4 and not self.policy.timed(1):  # no need to wait for a drafting round
-                    self._stretch(self._tick, now)
+                    self._stretch(self._tick)
                     self._run = 0
             self._time(0, now - self._tick, accepted + 1)  # what it learnt may make it a probe
             if took:
@@ -77,11 +77,11 @@ class RoundTimer:
             if group() is None:
                 self._stretch()
 
-    def _stretch(self, before: Optional[float] = None, end: Optional[float] = None) -> None:
-        """Time the plain steps since the last drafting round, the last two
-        of them ended at ``before`` and ``end`` (default: the last two
-        rounds' ends): per step, over rounds 3 .. n - 1 (see the class);
-        up to three steps are not timed."""
+    def _stretch(self, before: Optional[float] = None) -> None:
+        """Time the plain steps since the last drafting round, the one
+        before the last of them ended at ``before`` (default: when the round
+        before the last one ended): per step, over rounds 3 .. n - 1 (see the
+        class); up to three steps are not timed."""
         n = self._run
         before = self._prev if before is None else before
         if n > 3:

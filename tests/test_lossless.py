@@ -116,6 +116,36 @@ def test_logprobs_match_mlx_lm(loaded, draft_for):
 
 
 @pytest.mark.parametrize("block_size", [1, "auto"])
+def test_a_step_queued_at_the_prompt_is_taken_back(loaded, draft_for, monkeypatch, block_size):
+    """Where the first round is a plain step, it is queued before the
+    prompt's token is read (as mlx-lm's loop does); a generation that ends
+    first (by its length or an EOS) takes it back: the cache holds exactly
+    the tokens, and a second turn on it is still mlx-lm's. ("auto" first
+    learns that plain steps win with a random draft.)"""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder) if block_size == "auto" else None
+    for _ in range(3 if draft else 0):
+        dflash_tokens(model, draft, tok, PROMPTS[0], block_size="auto", max_tokens=40)
+    ids = tok.encode(PROMPTS[1])
+    ref = mlx_tokens(model, tok, PROMPTS[1], 12)
+    eos = set(tok.eos_token_ids)
+    for n in [k + 1 for k in range(8) if ref[k] not in ref[:k]][:3]:  # an EOS there ends it there
+        for stop in (False, True):
+            monkeypatch.setattr(tok, "eos_token_ids", eos | {ref[n - 1]} if stop else eos)
+            cache = make_prompt_cache(model)
+            out, _ = dflash_tokens(model, draft, tok, PROMPTS[1], block_size=block_size,
+                                   max_tokens=12 if stop else n, prompt_cache=cache)
+            monkeypatch.setattr(tok, "eos_token_ids", eos)
+            assert out == ref[:n], (n, stop)
+            assert cache[0].offset == len(ids) + n - 1, (n, stop)
+            more, _ = dflash_tokens(model, draft, tok, out[-1:], block_size=block_size,
+                                    max_tokens=12 - n, prompt_cache=cache)
+            assert out + more == ref, (n, stop)
+
+
+@pytest.mark.parametrize("block_size", [1, "auto"])
 def test_plain_steps_recover_from_a_doubted_token(loaded, draft_for, monkeypatch, block_size):
     """Greedy plain steps take the argmax of the logits (no log-softmax) and
     queue the next step on it; where the argmax is in doubt they check it

@@ -291,7 +291,7 @@ def stream_generate(
         # The model's lock covers whole steps, evaluation included: MLX does
         # not make concurrent evaluation of one model's graphs safe.
         with target.lock, mx.stream(generation_stream):
-            tokens = dec.prefill(ids, prefill_step_size)
+            tokens = dec.prefill(ids, prefill_step_size, more=min(top, max_tokens - 1))
         prompt_tps = len(ids) / (time.perf_counter() - tic)
         tic = time.perf_counter()
         n = 0
@@ -374,8 +374,10 @@ class _Decoder:
         timer's, so that the one chosen with is the one taught."""
         return self.timer.policy
 
-    def prefill(self, ids: List[int], step: int) -> List[int]:
-        """Run the prompt through the target; return its first token."""
+    def prefill(self, ids: List[int], step: int, more: int = 0) -> List[int]:
+        """Run the prompt through the target; return its first token. ``more``:
+        the first round's limit; if that round is a plain step, it is queued
+        before the first token is read, as mlx-lm's loop does."""
         feats = []
         for i in range(0, len(ids), step):
             logits, f, _ = self.target.forward(mx.array(ids[i : i + step]), self.cache, self.layer_ids)
@@ -385,7 +387,12 @@ class _Decoder:
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
         self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        first = agree(self.pick(logits[-1:], self.logprobs, len(ids))).tolist()
+        first = self.pick(logits[-1:], self.logprobs, len(ids))
+        if more and self.pipelined and self.length(more) == 1:
+            first = first.astype(mx.int32)
+            self.ahead = self._step(first, len(ids) + 1)
+            mx.async_eval(self.ahead[:2] if self.ahead[1] is not None else self.ahead[0])
+        first = agree(first).tolist()
         self.timer.start()
         return first
 

@@ -74,6 +74,20 @@ def test_rows_join_and_leave(loaded, draft_for, bs):
     assert got[b] == refs[1][: len(got[b])] and 0 < len(got[b]) < 40
 
 
+def test_a_row_joins_before_the_first_round(loaded):
+    """The first row's prefill queued its first plain step (it was alone); a
+    row joining before any round takes it back: both are mlx-lm's."""
+    model, tok, _ = loaded("qwen3")
+    refs = [mlx_tokens(model, tok, p, 12) for p in PROMPTS[:2]]
+    batch = Batch(model, None, tok, 1)
+    keys = [batch.add(p, 12) for p in PROMPTS[:2]]
+    got = {k: [] for k in keys}
+    while len(batch):
+        for k, r in batch.step():
+            got[k] += r.tokens
+    assert [got[k] for k in keys] == refs
+
+
 def test_seeded_sampling_matches_single(loaded, draft_for):
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)

@@ -101,7 +101,7 @@ class Batch:
                        **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed),
                        policy=self.policy)
         tic = time.perf_counter()
-        first = dec.prefill(ids, prefill_step_size)
+        first = dec.prefill(ids, prefill_step_size, more=0 if self.rows else min(self.top, max_tokens - 1))
         mx.eval([c.state for c in dec.cache])
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
                    len(ids) / (time.perf_counter() - tic), prompt_cache)

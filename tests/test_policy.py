@@ -377,6 +377,31 @@ def test_ends_are_timed_first_then_the_fastest_length_wins():
     assert p.choose(limit=3) == 3 and p.choose(limit=1) == 1  # the tokens left, in one round
 
 
+def test_a_probe_after_plain_steps_counts_as_several_rounds():
+    """A draft wrong for long, then plain steps: one probe that finds it
+    right moves its estimate as ``stands`` drafting rounds would (not one),
+    and a probe right after a drafting round counts once."""
+    def after(plain):
+        p = Policy(8)
+        for _ in range(100):
+            p.learn(8, [0])
+        for _ in range(plain):
+            p.took(1)
+        p.learn(8, [7])
+        return p.chances()[0]
+
+    def rounds(n):
+        p = Policy(8)
+        for _ in range(100):
+            p.learn(8, [0])
+        for _ in range(n):
+            p.learn(8, [7])
+        return p.chances()[0]
+
+    assert after(0) == pytest.approx(rounds(1))
+    assert after(20) == pytest.approx(rounds(Policy(8).stands), rel=0.1) and after(20) > 5 * after(0)
+
+
 def test_a_round_tells_what_shorter_ones_would_have_accepted():
     p = Policy(8)
     for _ in range(40):

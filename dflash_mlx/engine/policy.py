@@ -19,11 +19,11 @@ one expected to commit the most tokens per second of the loop's own clock:
   leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
-probe) to find a draft that starts to help, while what the rounds lost
-against plain steps (each round's time against its tokens at the plain
-price: the probes and the switches around them) stays within ``budget`` of
-the loop's recent time: a useless draft costs at most that share (after its
-first rounds), on any pair.
+probe, counted as several rounds) to find a draft that starts to help,
+while what the rounds lost against plain steps (each round's time against
+its tokens at the plain price: the probes and the switches around them)
+stays within ``budget`` of the loop's recent time: a useless draft costs at
+most that share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -52,6 +52,9 @@ class Policy:
         budget: The share of the time (over about the last ``window``
             rounds) that drafting rounds may lose against plain steps while
             plain steps win.
+        stands: A drafting round after n plain steps counts as min(n + 1,
+            ``stands``) rounds, so that the counts of a draft that had made
+            plain steps win change with a few probes, not dozens.
     """
 
     block_size: int
@@ -60,10 +63,12 @@ class Policy:
     prior: float = 1.0
     budget: float = 0.01
     window: int = 256
+    stands: int = 8
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
     # length -> [hits, trials]: its rounds' decaying counts per depth
     own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
+    plain: int = field(init=False, default=0)  # plain steps since the last drafting round
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
@@ -156,15 +161,16 @@ class Policy:
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
-        decay, self._pooled, self._tokens = self.memory ** len(accepted), None, {}
+        w = min(1 + self.plain, self.stands)
+        decay, self._pooled, self._tokens, self.plain = self.memory ** (w * len(accepted)), None, {}, 0
         for counts in [c for o in self.own.values() for c in o]:
             counts[:] = [c * decay for c in counts]
         n = self.kind(length)
         hits, trials = self.own.setdefault(n, [[0.0] * (n - 1), [0.0] * (n - 1)])
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
-                hits[i] += i < a
-                trials[i] += 1
+                hits[i] += w * (i < a)
+                trials[i] += w
 
     def kind(self, length: int) -> int:
         """The length of :attr:`lengths` whose counts a round of ``length`` (maybe cut short) adds to."""
@@ -209,7 +215,7 @@ class Policy:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
         if length == 1:
-            self.skip = max(self.skip - 1, 0)
+            self.skip, self.plain = max(self.skip - 1, 0), self.plain + 1
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps

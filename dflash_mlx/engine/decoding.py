@@ -390,8 +390,7 @@ class _Decoder:
         first = self.pick(logits[-1:], self.logprobs, len(ids))
         if more and self.pipelined and self.length(more) == 1:
             first = first.astype(mx.int32)
-            self.ahead = self._step(first, len(ids) + 1)
-            mx.async_eval(self.ahead[:2] if self.ahead[1] is not None else self.ahead[0])
+            self._queue(first, len(ids) + 1)
         first = agree(first).tolist()
         self.timer.start()
         return first
@@ -491,8 +490,7 @@ class _Decoder:
         if self.policy is not None:
             self.policy.took(1)
         if more and self.length(more) == 1:
-            self.ahead = self._step(y, pos + 1)
-            mx.async_eval(self.ahead[:2] if unsure is not None else self.ahead[0])
+            self._queue(y, pos + 1)
         out = y.tolist()
         if unsure is not None and unsure.item():  # rare: greedy() was unsure
             token = mx.argmax(self.logprobs, axis=-1).tolist()
@@ -513,6 +511,12 @@ class _Decoder:
         if self.tuner is not None:
             self.tuner.remember(draft)
         self.timer.end()
+
+    def _queue(self, token: mx.array, pos: int) -> None:
+        """Queue the plain step after ``token`` [1] (its token at ``pos``)
+        before that token is read, with its doubt flag if it has one."""
+        self.ahead = self._step(token, pos)
+        mx.async_eval(self.ahead[:2] if self.ahead[1] is not None else self.ahead[0])
 
     def _step(self, token: mx.array, pos: int):
         """The target's next token [1] after ``token`` [1] (at position

@@ -73,9 +73,8 @@ class RoundTimer:
 
     def end(self) -> None:
         """The generation ended: time its last plain steps."""
-        if self.policy is not None:
-            if group() is None:
-                self._stretch()
+        if self.policy is not None and group() is None:
+            self._stretch()
 
     def _stretch(self, before: Optional[float] = None) -> None:
         """Time the plain steps since the last drafting round, the one

@@ -2,6 +2,9 @@
 a bandit over plain steps and block lengths on the loop's own wall clock.
 The output stays exactly the target's whatever it chooses."""
 
+import math
+import random
+
 import pytest
 
 from conftest import ARCHS
@@ -353,7 +356,7 @@ def timed(p, length, seconds, accepted=None, width=1):
     if length > 1:
         p.learn(length, rows)
     p.time(length, seconds, width)
-    p.spend(seconds, 1 + sum(rows) / len(rows) if length > 1 else 1, width)
+    p.spend(seconds, 1 + sum(rows) / len(rows) if length > 1 else 1, width, drafted=length > 1)
     p.took(length, width)
 
 
@@ -461,6 +464,23 @@ def test_probes_lose_at_most_the_budget():
         timed(p, n, 0.004 if n == 1 else 0.006, n - 1)
         probes += n > 1
     assert probes <= 3 and p.choose() > 1
+
+
+def test_noisy_plain_steps_buy_no_probes():
+    """As above, on a clock that jitters every round by +-25%: plain steps
+    faster than their mean are not a gain that buys more probes (their noise,
+    over the budget's window, is larger than the budget)."""
+    probes = budgeted = 0.0
+    for seed in range(4):
+        rng, p = random.Random(seed), Policy(16)
+        for n in (16, 16, 1, 1, 2, 2):
+            timed(p, n, 0.004 if n == 1 else 0.006 if n == 2 else 0.010, 0)
+        for _ in range(4000):
+            n = p.choose()
+            timed(p, n, (0.004 if n == 1 else 0.006) * math.exp(rng.gauss(0, 0.25)), 0)
+            probes += n > 1
+            budgeted += p.budget * 0.004 / 0.002 * (n == 1)  # a probe loses 2 ms
+    assert probes <= 1.15 * budgeted, (probes, budgeted)  # counting every plain round: 1.35x
 
 
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():

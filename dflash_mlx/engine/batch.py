@@ -208,7 +208,8 @@ class Batch:
             if self._last is not None:
                 if kind == self._last:  # not a switch
                     self.policy.time(length, now - self._tick, width)
-                self.policy.spend(now - self._tick, 1 + sum(accepted) / len(accepted) if accepted else 1, width)
+                self.policy.spend(now - self._tick, 1 + sum(accepted) / len(accepted) if accepted else 1, width,
+                                  drafted=length > 1)
             self.policy.took(length, width)
         self._tick, self._last = now, kind
 

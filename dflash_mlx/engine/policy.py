@@ -72,6 +72,8 @@ class Policy:
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
+    _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
+    _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
     # kept as best() asks 2-3 times a round: until learn() (chances, tokens) or time() (times)
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
@@ -196,20 +198,30 @@ class Policy:
             s[0] = self.decay * s[0] + seconds
             s[1] = self.decay * s[1] + 1
 
-    def spend(self, seconds: float, tokens: float, width: int = 1) -> None:
+    def spend(self, seconds: float, tokens: float, width: int = 1, drafted: bool = False) -> None:
         """A round took ``seconds`` and committed ``tokens`` a row. While
-        plain steps win, what it took beyond their time for as many tokens
-        counts as lost: probes, and whatever a switch costs the rounds next
-        to them, wherever the platform computes it. A round that drafted
-        tokens never counts as a gain: a lucky probe of a useless draft would
-        buy the next ones. A plain round may (the one after a switch that
-        computes no step makes up for one that computed two)."""
+        plain steps win, what a drafting round took beyond their time for as
+        many tokens counts as lost, and so do the plain rounds next to it
+        (the one before and the two after: whatever a switch costs them,
+        wherever the platform computes it); other plain rounds do not, or
+        their noise would outweigh the budget. A round that drafted tokens
+        never counts as a gain: a lucky probe of a useless draft would buy
+        the next ones."""
         keep = 1 - 1 / self.window
         self.lost *= keep
         self.spent = self.spent * keep + seconds
-        if self.plain_wins(width):
-            loss = seconds - tokens * self.seconds(1, width)
-            self.lost += max(loss, 0.0) if tokens > 1 else loss
+        if not self.plain_wins(width):
+            self._near = 0
+            return
+        loss = seconds - tokens * self.seconds(1, width)
+        if drafted:
+            self.lost += self._held + (max(loss, 0.0) if tokens > 1 else loss)
+            self._held, self._near = 0.0, 2
+        elif self._near:
+            self.lost += loss
+            self._near -= 1
+        else:
+            self._held = loss  # counted if a drafting round comes next
 
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full

@@ -42,7 +42,7 @@ class RoundTimer:
         self._run = 0  # plain steps since the last drafting round
         self._second = 0.0  # the second one's end
         self._prev = 0.0  # when the round before the last one ended
-        self._lags = []  # under mlx.launch: [length (0: spent), microseconds, rounds (tokens)] not yet agreed
+        self._lags = []  # under mlx.launch: [length (negative: spent), microseconds, rounds (tokens)] not yet agreed
 
     def start(self) -> None:
         """Time the next rounds afresh, from now (a prefill, or the batch the
@@ -66,7 +66,7 @@ class RoundTimer:
                 if self._run >= 4 and not self.policy.timed(1):  # no need to wait for a drafting round
                     self._stretch(self._tick)
                     self._run = 0
-            self._time(0, now - self._tick, accepted + 1)  # what it learnt may make it a probe
+            self._time(-length, now - self._tick, accepted + 1)  # what it learnt may make it a probe
             if took:
                 self.policy.took(length)
         self._prev, self._tick, self._last = self._tick, now, drafted
@@ -102,14 +102,15 @@ class RoundTimer:
 
     def _time(self, length: int, seconds: float, rounds: int) -> None:
         """Book ``rounds`` rounds of ``length`` that took ``seconds`` each;
-        length 0: one round spent, that committed ``rounds`` tokens."""
+        a negative length: one round of -length spent, that committed
+        ``rounds`` tokens."""
         if group() is None:
             self._book(length, seconds, rounds)
         else:  # sent with the next round's tokens
             self._lags.append([length, int(seconds * 1e6), rounds])
 
     def _book(self, length: int, seconds: float, rounds: int) -> None:
-        if length == 0:
-            self.policy.spend(seconds, rounds)
+        if length < 0:
+            self.policy.spend(seconds, rounds, drafted=length < -1)
         else:
             self.policy.time(length, seconds, rounds=rounds)

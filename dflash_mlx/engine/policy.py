@@ -20,10 +20,10 @@ one expected to commit the most tokens per second of the loop's own clock:
 
 While plain steps win, the best drafting round still runs now and then (a
 probe, counted as several rounds) to find a draft that starts to help,
-while what the rounds lost against plain steps (each round's time against
-its tokens at the plain price: the probes and the switches around them)
-stays within ``budget`` of the loop's recent time: a useless draft costs at
-most that share (after its first rounds), on any pair.
+while what the probes lost against plain steps (their time and their
+neighbours', against their tokens at the plain price) stays within
+``budget`` of the loop's recent time: a useless draft costs at most that
+share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.

@@ -19,9 +19,8 @@ one expected to commit the most tokens per second of the loop's own clock:
   leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
-probe, counted as several rounds) to find a draft that starts to help,
-while what the probes lost against plain steps (their time and their
-neighbours', against their tokens at the plain price) stays within
+probe, counted as several rounds) to find a draft that starts to help, while
+what probes and the rounds next to them lose against plain steps stays within
 ``budget`` of the loop's recent time: a useless draft costs at most that
 share (after its first rounds), on any pair.
 What a policy learnt carries over to the next generation with the same draft.
@@ -127,8 +126,7 @@ class Policy:
         timed = self._timed[width]
         if length in timed or not timed:
             return timed.get(length)
-        below = [n for n in timed if n < length]
-        above = [n for n in timed if n > length]
+        below, above = [n for n in timed if n < length], [n for n in timed if n > length]
         if not below or not above:
             return timed[max(below) if below else min(above)]
         a, b = max(below), min(above)
@@ -195,31 +193,25 @@ class Policy:
             seconds = min(seconds, 3 * s[0] / s[1])
         self._timed = {}
         for _ in range(rounds):
-            s[0] = self.decay * s[0] + seconds
-            s[1] = self.decay * s[1] + 1
+            s[:] = [self.decay * s[0] + seconds, self.decay * s[1] + 1]
 
     def spend(self, seconds: float, tokens: float, width: int = 1, drafted: bool = False) -> None:
-        """A round took ``seconds`` and committed ``tokens`` a row. While
-        plain steps win, what a drafting round took beyond their time for as
-        many tokens counts as lost, and so do the plain rounds next to it
-        (the one before and the two after: whatever a switch costs them,
-        wherever the platform computes it); other plain rounds do not, or
-        their noise would outweigh the budget. A round that drafted tokens
-        never counts as a gain: a lucky probe of a useless draft would buy
-        the next ones."""
+        """A round took ``seconds`` and committed ``tokens`` a row. While plain
+        steps win, a drafting round's time beyond theirs for as many tokens is
+        lost (a gain only if it drafted none: a lucky probe of a useless draft
+        would buy the next ones), and so is the plain rounds' next to it (one
+        before, two after: where a switch costs); not the others' (noise)."""
         keep = 1 - 1 / self.window
         self.lost *= keep
         self.spent = self.spent * keep + seconds
         if not self.plain_wins(width):
-            self._near = 0
             return
         loss = seconds - tokens * self.seconds(1, width)
         if drafted:
             self.lost += self._held + (max(loss, 0.0) if tokens > 1 else loss)
             self._held, self._near = 0.0, 2
         elif self._near:
-            self.lost += loss
-            self._near -= 1
+            self.lost, self._near = self.lost + loss, self._near - 1
         else:
             self._held = loss  # counted if a drafting round comes next
 

@@ -197,10 +197,10 @@ class Policy:
 
     def spend(self, seconds: float, tokens: float, width: int = 1, drafted: bool = False) -> None:
         """A round took ``seconds`` and committed ``tokens`` a row. While plain
-        steps win, a drafting round's time beyond theirs for as many tokens is
-        lost (a gain only if it drafted none: a lucky probe of a useless draft
-        would buy the next ones), and so is the plain rounds' next to it (one
-        before, two after: where a switch costs); not the others' (noise)."""
+        steps win, what a drafting round takes beyond their time for as many
+        tokens is lost (a gain only if it drafted none: a lucky probe of a
+        useless draft would buy the next ones), and so is what the plain rounds
+        next to it lose (one before, two after: where a switch costs); no other's."""
         keep = 1 - 1 / self.window
         self.lost *= keep
         self.spent = self.spent * keep + seconds

@@ -13,6 +13,7 @@ from dflash_mlx.engine import decoding, policy as pol
 from dflash_mlx.engine.draft import DFlashDraft
 from dflash_mlx.engine.policy import Policy
 from dflash_mlx.engine.target import Target
+from dflash_mlx.engine.timing import RETIME, RoundTimer
 from test_draft_vocab import vocab_draft
 from test_sampling import TEMP, TOP_K, target_law, tv
 from util import mlx_run, mlx_tokens, runs
@@ -185,6 +186,21 @@ def test_plain_steps_are_timed_at_their_steady_cost(modelled, loaded, draft_for,
         _, _, rounds = auto_run(model, draft, tok, PROMPTS[0], max_tokens=60)
         assert sum(d for _, _, d in rounds) < len(rounds) / 2, rounds  # mostly plain steps
         assert policy.seconds(1) == pytest.approx(1.0, rel=0.01), policy.seconds(1)
+
+
+def test_a_long_run_of_plain_steps_is_timed_as_it_goes(monkeypatch):
+    """A run of plain steps books its time every RETIME steps, not only when a
+    drafting round ends it: a run the machine slowed (or whose first steps were
+    timed lucky) must not keep plain steps winning on an old time."""
+    now = [0.0]
+    monkeypatch.setattr(pol, "clock", lambda: now[0])
+    policy = Policy(8)
+    timer = RoundTimer(policy)
+    timer.start()
+    for cost in [1.0] * 8 + [3.0] * 3 * RETIME:
+        now[0] += cost
+        timer.learn(1, 0)
+    assert policy.seconds(1) == pytest.approx(3.0, rel=0.05), policy.seconds(1)
 
 
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):

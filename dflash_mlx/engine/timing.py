@@ -8,6 +8,8 @@ from ..models.distributed import agree, group
 from . import policy as _policy
 from .policy import Policy
 
+RETIME = 32  # plain steps of a run between bookings of their time
+
 
 class RoundTimer:
     """Times the loop's rounds and books them in the Policy.
@@ -63,7 +65,9 @@ class RoundTimer:
                 if self._run == 1:
                     self._second = now
                 self._run += 1
-                if self._run >= 4 and not self.policy.timed(1):  # no need to wait for a drafting round
+                # Timed after 4 steps at first, then every RETIME of a run, so that a
+                # long run does not keep the time of its start (or a lucky first one).
+                if self._run >= (RETIME if self.policy.timed(1) else 4):
                     self._stretch(self._tick)
                     self._run = 0
             self._time(-length, now - self._tick, accepted + 1)  # what it learnt may make it a probe

@@ -421,6 +421,29 @@ def test_a_probe_after_plain_steps_counts_as_several_rounds():
     assert after(20) == pytest.approx(rounds(Policy(8).stands), rel=0.1) and after(20) > 5 * after(0)
 
 
+def test_the_plain_steps_that_time_them_make_no_probe():
+    """The plain steps taken to time them (after the full block's first
+    rounds) were not chosen: the drafting round after them counts once, so
+    that one unlucky round does not weigh as several and make plain steps win."""
+    def unlucky(p):
+        timed(p, 8, 0.010, 7)
+        timed(p, 8, 0.010, 7)
+        while p.skip:
+            timed(p, 1, 0.004)
+        p.learn(8, [0])
+        return p.chances()[0]
+
+    assert unlucky(Policy(8)) == pytest.approx(_after_rounds([7, 7, 0]))
+
+
+def _after_rounds(accepted):
+    """Depth 0's chance after drafting rounds of 8 that accepted these."""
+    p = Policy(8)
+    for a in accepted:
+        p.learn(8, [a])
+    return p.chances()[0]
+
+
 def test_a_round_tells_what_shorter_ones_would_have_accepted():
     p = Policy(8)
     for _ in range(40):

@@ -67,7 +67,7 @@ class Policy:
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
     # length -> [hits, trials]: its rounds' decaying counts per depth
     own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
-    plain: int = field(init=False, default=0)  # plain steps since the last drafting round
+    plain: int = field(init=False, default=0)  # plain steps chosen (not skip's) since the last drafting round
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
@@ -219,7 +219,7 @@ class Policy:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
         if length == 1:
-            self.skip, self.plain = max(self.skip - 1, 0), self.plain + 1
+            self.skip, self.plain = max(self.skip - 1, 0), self.plain + (self.skip == 0)
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps

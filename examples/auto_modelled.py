@@ -20,7 +20,8 @@ costs ``--draft-ms``). ``--noise X`` adds X standard deviations of Gaussian
 noise to the draft's weights (a weaker draft); ``--random`` replaces them (a
 useless draft).
 `auto` runs the prompts twice (what it learnt carries over) and counts the
-second time. Its choices feed back on what it learns, so a small change to
+second time; the first time through (a fresh policy learning, as in a one-shot
+generation) is reported apart. Its choices feed back on what it learns, so a small change to
 the policy (or another ``--seed``: the jitter, and the prompts' order if not
 0) can take another path: one seed is one path (on the toy pairs auto / best
 moved 0.82-1.00 with the prompts' order alone); judge over ``--seeds``.
@@ -166,8 +167,8 @@ def main():
                 random.Random(seed).shuffle(order)
             rng[0], rounds = random.Random(seed), {}
             policy.Policy.forget(draft)
-            rate("auto", order, {})  # learns the draft
-            autos.append((seed, rate("auto", order, rounds, seed), rounds))
+            first = rate("auto", order, {})  # learns the draft
+            autos.append((seed, rate("auto", order, rounds, seed), rounds, first))
     finally:
         Target.forward, DFlashDraft.propose, policy.clock = forward, propose, clock
         decoding.PIPELINE = True
@@ -179,12 +180,15 @@ def main():
     picks = [min(each, key=lambda bs: each[bs][p]) for p in prompts]
     oracle = sum(each[1].values()) * rates[1] / sum(each[bs][p] for bs, p in zip(picks, prompts))
     print(f"{name}: the best fixed choice per prompt ({' '.join(map(str, picks))}) makes {oracle / best:.3f} of best")
-    for seed, auto, rounds in autos:
+    for seed, auto, rounds, _ in autos:
         print(f"{name} seed={seed}: auto / best = {auto / best:.3f} (auto={auto / rates[1]:.3f} of plain steps); "
               f"its rounds by tokens verified: {dict(sorted(rounds.items()))}")
     if len(autos) > 1:
-        got = [a / best for _, a, _ in autos]
+        got = [a / best for _, a, _, _ in autos]
         print(f"{name}: auto / best over {len(got)} seeds: mean {sum(got) / len(got):.3f}, min {min(got):.3f}")
+    got = [f / best for _, _, _, f in autos]  # what a fresh policy makes, learning (one-shot generations)
+    print(f"{name}: first time through, auto / best over {len(got)} seeds: mean {sum(got) / len(got):.3f}, "
+          f"min {min(got):.3f}")
 
 
 if __name__ == "__main__":

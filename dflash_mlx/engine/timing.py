@@ -41,7 +41,7 @@ class RoundTimer:
         self.policy = policy
         self._tick = None  # when the last round (or the prefill) ended
         self._last = None  # whether the last round drafted
-        self._run = 0  # plain steps since the last drafting round
+        self._run = 0  # plain steps since the last drafting round or booking of their time
         self._second = 0.0  # the second one's end
         self._prev = 0.0  # when the round before the last one ended
         self._lags = []  # under mlx.launch: [length (negative: spent), microseconds, rounds (tokens)] not yet agreed
@@ -81,7 +81,7 @@ class RoundTimer:
             self._stretch()
 
     def _stretch(self, before: Optional[float] = None) -> None:
-        """Time the plain steps since the last drafting round, the one
+        """Time the plain steps since the last drafting round (or booking), the one
         before the last of them ended at ``before`` (default: when the round
         before the last one ended): per step, over rounds 3 .. n - 1 (see the
         class); up to three steps are not timed."""

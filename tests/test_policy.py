@@ -410,12 +410,7 @@ def test_a_probe_after_plain_steps_counts_as_several_rounds():
         return p.chances()[0]
 
     def rounds(n):
-        p = Policy(8)
-        for _ in range(100):
-            p.learn(8, [0])
-        for _ in range(n):
-            p.learn(8, [7])
-        return p.chances()[0]
+        return _after_rounds([0] * 100 + [7] * n)
 
     assert after(0) == pytest.approx(rounds(1))
     assert after(20) == pytest.approx(rounds(Policy(8).stands), rel=0.1) and after(20) > 5 * after(0)

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from .engine.decoding import GenerationResponse, generate, print_stats, stream_generate
 from .errors import run_command
+from .engine import saved
 from .engine.policy import Policy
 
 DEFAULT_MODEL = "smollm2"
@@ -113,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Draft tokens when sampling: drawn from the draft at a temperature tuned as it goes "
                         "(the default; verified with the p/q rule, or with --seed drawn with the target's own "
                         "noise), or the draft's argmax.")
+    p.add_argument("--fresh", action="store_true",
+                   help="Start auto afresh: do not read or keep what earlier runs with this target and draft "
+                        "learnt about which lengths pay (kept in $DFLASH_MLX_CACHE, default ~/.cache/dflash_mlx).")
     add_pipeline_arg(p)
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
@@ -181,6 +185,9 @@ def _run(args) -> int:
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
     _warm_up(model, draft, tokenizer, args.block_size)
+    key = _saved_key(args, model_path, draft_path, draft)
+    if key is not None:
+        saved.recall(draft, key)
     if args.prompt is None and not args.quiet:
         print(f"> {DEFAULT_PROMPT}", flush=True)
     last, text = None, ""
@@ -191,6 +198,8 @@ def _run(args) -> int:
     if not args.quiet:
         print("=" * 10)
         print_stats(last)
+    if key is not None:
+        saved.keep(draft, key)
     if not last.exact:
         print(f"Note: --accept-threshold {args.accept_threshold} accepts near-top draft tokens: "
               "this is not exactly the target's output.", file=sys.stderr)
@@ -217,6 +226,17 @@ def _variants(args) -> dict:
           "proposal": args.proposal}
     defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": None}
     return {k: v for k, v in kw.items() if v != defaults[k]}
+
+
+def _saved_key(args, model_path: str, draft_path: str, draft) -> Optional[str]:
+    """The key under which "auto" keeps what it learns between runs (see
+    :mod:`dflash_mlx.engine.saved`), or None: not "auto", ``--fresh``, or
+    under mlx.launch (every rank must start alike)."""
+    from .models.distributed import group
+
+    if draft is None or args.block_size != "auto" or args.fresh or group() is not None:
+        return None
+    return saved.key_of(model_path, draft_path, bits=args.draft_bits, sampled=args.temp > 0)
 
 
 def _warm_up(model, draft, tokenizer, block_size) -> None:

@@ -85,3 +85,12 @@ def draft_for(tmp_path):
         return load_draft(str(make_draft(tmp_path / f"draft{count[0]}", folder, **kw)))
 
     return get
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _saved_policies(tmp_path_factory):
+    """Runs of the command line keep what "auto" learnt (dflash_mlx.engine.saved):
+    here in a folder of the session's, never in the user's cache."""
+    import os
+
+    os.environ["DFLASH_MLX_CACHE"] = str(tmp_path_factory.mktemp("cache"))

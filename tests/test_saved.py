@@ -1,0 +1,98 @@
+"""What "auto" learnt carries over between runs of the command line."""
+
+import json
+import re
+
+import pytest
+
+from dflash_mlx.engine import saved
+from dflash_mlx.engine.policy import Policy, memo
+from dflash_mlx.generate import main
+from tiny import make_draft
+from util import mlx_run, mlx_tokens
+
+PROMPT = "class A:\n"
+
+
+@pytest.fixture
+def pair(loaded, tmp_path, monkeypatch):
+    """A right draft (it always guesses the one token the tiny target
+    repeats after PROMPT), the CLI arguments for it, and the saved file's path
+    getter."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, PROMPT, 40)
+    assert len(set(ref)) == 1, "the tiny target no longer repeats one token here"
+    draft = make_draft(tmp_path / "draft", folder, mask_token_id=ref[0], echo=True)
+    args = ["--model", str(folder), "--draft", str(draft), "--prompt", PROMPT,
+            "--no-chat-template", "--max-tokens", "40"]
+    _, want = mlx_run(model, tok, PROMPT, 40)
+
+    def files():
+        return list(saved.folder().glob("*.json"))
+
+    return args, want, files
+
+
+def run(args, capsys):
+    """(text, mean acceptance length) of one CLI run."""
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    text, _, stats = out.rpartition("\n==========\n")
+    return text, float(re.search(r"Mean acceptance length: ([0-9.]+)", stats)[1])
+
+
+def plain_wins(block_size: int) -> dict:
+    """A saved state in which plain steps win by far and probes spent their budget."""
+    return {"block_size": block_size, "times": [[1, 1, 0.01, 10.0], [1, block_size, 100.0, 10.0]],
+            "own": {}, "spent": 1.0, "lost": 1.0}
+
+
+def test_a_run_starts_where_the_last_one_left(pair, capsys):
+    args, want, files = pair
+    text, tau = run(args, capsys)
+    assert text == want and tau > 4  # fresh: full blocks
+    (path,) = files()
+    state = json.loads(path.read_text())
+    assert state["block_size"] == 16 and any(n == 16 for _, n, _, _ in state["times"])
+
+    path.write_text(json.dumps(plain_wins(16)))
+    text, tau = run(args, capsys)
+    assert text == want and tau == 1.0  # started from the saved state: plain steps
+    assert json.loads(path.read_text())["times"] != plain_wins(16)["times"]  # kept again, with this run's times
+
+    path.write_text(json.dumps(plain_wins(16)))
+    text, tau = run(args + ["--fresh"], capsys)
+    assert text == want and tau > 4  # not read
+    assert json.loads(path.read_text()) == plain_wins(16)  # nor written
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps(plain_wins(8)), '{"block_size": 16}',
+                                     json.dumps({**plain_wins(16), "times": [[1, 99, 1.0, 1.0]]})])
+def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content):
+    args, want, files = pair
+    run(args, capsys)
+    (path,) = files()
+    path.write_text(content)
+    text, tau = run(args, capsys)
+    assert text == want and tau > 4  # a fresh start
+    assert capsys.readouterr().err == ""
+    assert json.loads(path.read_text())["block_size"] == 16
+
+
+def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+    _, _, folder = loaded("qwen3", tied=True)
+    a, b = draft_for(folder), draft_for(folder)
+    p = Policy.of(a)
+    for n, acc, s in [(16, 5, 0.02), (16, 3, 0.02), (1, 0, 0.004), (4, 3, 0.008), (8, 2, 0.012), (3, 2, 0.01)]:
+        if n > 1:
+            p.learn(n, [acc])
+        p.time(n, s, rounds=2)
+        p.spend(s, acc + 1, drafted=n > 1)
+    saved.keep(a, "k")
+    assert not saved.recall(b, "another key") and "policy" not in memo(b)
+    assert saved.recall(b, "k")
+    q = Policy.of(b)
+    assert (q.times, q.own, q.spent, q.lost) == (p.times, p.own, p.spent, p.lost)
+    assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]

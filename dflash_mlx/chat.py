@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--block-size", type=block_size_arg, default="auto")
+    p.add_argument("--fresh", action="store_true",
+                   help="Start auto afresh: do not read or keep what earlier runs with this target and draft learnt.")
     return p
 
 
@@ -36,6 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(args) -> int:
+    from .engine import saved
     from .generate import _resolve
     from .models.loading import load, load_draft
     from .serve.server import ApiError, Served, parse_request
@@ -45,6 +48,10 @@ def _run(args) -> int:
     draft = None if args.block_size == 1 else load_draft(draft_path)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p,
                     args.top_k, args.min_p, args.max_tokens, prompt_cache_size=1, concurrency=1)
+    key = None if args.fresh else saved.key_of(model_path, draft_path, args.block_size, bits=None,
+                                                sampled=args.temp > 0)
+    if key is not None:
+        saved.recall(draft, key)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     print("Type a message; /reset starts over, /quit leaves.", flush=True)
@@ -69,6 +76,8 @@ def _run(args) -> int:
             print(f"error: {e}", flush=True)
             continue
         messages.append({"role": "assistant", "content": _reply(served, req)})
+        if key is not None:
+            saved.keep(draft, key)
 
 
 def _reply(served, req) -> str:

@@ -185,7 +185,8 @@ def _run(args) -> int:
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
     _warm_up(model, draft, tokenizer, args.block_size)
-    key = _saved_key(args, model_path, draft_path, draft)
+    key = None if args.fresh else saved.key_of(
+        model_path, draft_path, args.block_size, bits=args.draft_bits, sampled=args.temp > 0)
     if key is not None:
         saved.recall(draft, key)
     if args.prompt is None and not args.quiet:
@@ -226,17 +227,6 @@ def _variants(args) -> dict:
           "proposal": args.proposal}
     defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": None}
     return {k: v for k, v in kw.items() if v != defaults[k]}
-
-
-def _saved_key(args, model_path: str, draft_path: str, draft) -> Optional[str]:
-    """The key under which "auto" keeps what it learns between runs (see
-    :mod:`dflash_mlx.engine.saved`), or None: not "auto", ``--fresh``, or
-    under mlx.launch (every rank must start alike)."""
-    from .models.distributed import group
-
-    if draft is None or args.block_size != "auto" or args.fresh or group() is not None:
-        return None
-    return saved.key_of(model_path, draft_path, bits=args.draft_bits, sampled=args.temp > 0)
 
 
 def _warm_up(model, draft, tokenizer, block_size) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +97,29 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for, 
     q = Policy.of(b)
     assert (q.times, q.own, q.spent, q.lost) == (p.times, p.own, p.spent, p.lost)
     assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]
+
+
+def test_the_chat_command_keeps_it_too(pair, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    args, _, files = pair
+    model, draft = args[1], args[3]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+
+    def chat(*extra):
+        r = subprocess.run([sys.executable, "-m", "dflash_mlx.chat", "--model", model, "--draft", draft,
+                            "--max-tokens", "20", *extra], input="Write a loop\n/quit\n",
+                           capture_output=True, text=True, env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+    chat()
+    (path,) = files()
+    path.write_text(json.dumps(plain_wins(16)))
+    chat()
+    kept = json.loads(path.read_text())["times"]
+    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["times"]  # recalled, then this run's plain steps kept
+    path.write_text(json.dumps(plain_wins(16)))
+    chat("--fresh")
+    assert json.loads(path.read_text()) == plain_wins(16)

@@ -15,6 +15,7 @@ import os
 import platform
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 
@@ -91,9 +92,16 @@ def _policy(block_size: int, state: dict) -> Policy:
     return p
 
 
-def key_of(model: str, draft: str, **settings) -> str:
-    """The key of a target and draft as named on the command line (local
-    folders by their full path), with settings that change their speed."""
+def key_of(model: str, draft: Optional[str], block_size, **settings) -> Optional[str]:
+    """The key under which runs with this target and draft, as named on the
+    command line (local folders by their full path), keep what "auto" learnt,
+    with ``settings`` that change their speed; None where nothing is kept: no
+    draft, a fixed block size, or under mlx.launch (every rank must start alike)."""
+    from ..models.distributed import group
+
+    if draft is None or block_size != "auto" or group() is not None:
+        return None
+
     def name(x: str) -> str:
         return str(Path(x).resolve()) if Path(x).exists() else x
 

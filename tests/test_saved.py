@@ -69,7 +69,9 @@ def test_a_run_starts_where_the_last_one_left(pair, capsys):
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps(plain_wins(8)), '{"block_size": 16}',
-                                     json.dumps({**plain_wins(16), "times": [[1, 99, 1.0, 1.0]]})])
+                                     json.dumps({**plain_wins(16), "times": [[1, 99, 1.0, 1.0]]}),
+                                     json.dumps({**plain_wins(16), "lost": -1.0}),
+                                     json.dumps({**plain_wins(16), "spent": float("nan")}), "[]"])
 def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content):
     args, want, files = pair
     run(args, capsys)

@@ -11,6 +11,7 @@ not matching, it is ignored (and replaced at the end of the run).
 
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
@@ -80,16 +81,24 @@ def _policy(block_size: int, state: dict) -> Policy:
     if state["block_size"] != block_size:
         raise ValueError("another block size")
     for w, n, s, r in state["times"]:
-        if not (1 <= n <= block_size and int(n) == n and int(w) == w >= 1 and s >= 0 and r >= 0):
-            raise ValueError(f"a time of length {n}")
-        p.times[(int(w), int(n))] = [float(s), float(r)]
+        if n not in range(1, block_size + 1) or w not in range(1, 1 << 16):
+            raise ValueError(f"a time of length {n}, width {w}")
+        p.times[(w, n)] = [_number(s), _number(r)]
     for n, (hits, trials) in state["own"].items():
         n = int(n)
         if n not in p.lengths or len(hits) != n - 1 or len(trials) != n - 1:
             raise ValueError(f"counts of length {n}")
-        p.own[n] = [[float(h) for h in hits], [float(t) for t in trials]]
-    p.spent, p.lost = float(state["spent"]), float(state["lost"])
+        p.own[n] = [[_number(h) for h in hits], [_number(t) for t in trials]]
+    p.spent, p.lost = _number(state["spent"]), _number(state["lost"])
     return p
+
+
+def _number(x) -> float:
+    """``x`` as a float, if it is one a policy can hold (finite, not negative)."""
+    x = float(x)
+    if not 0 <= x < math.inf:
+        raise ValueError(f"{x} out of range")
+    return x
 
 
 def key_of(model: str, draft: Optional[str], block_size, **settings) -> Optional[str]:

@@ -185,8 +185,9 @@ def _run(args) -> int:
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
     _warm_up(model, draft, tokenizer, args.block_size)
-    key = None if args.fresh else saved.key_of(
-        model_path, draft_path, args.block_size, bits=args.draft_bits, sampled=args.temp > 0)
+    # Settings that change what a round costs or accepts keep apart.
+    key = None if args.fresh else saved.key_of(model_path, draft_path, args.block_size, bits=args.draft_bits,
+                                                sampled=args.temp > 0, **_variants(args))
     if key is not None:
         saved.recall(draft, key)
     if args.prompt is None and not args.quiet:

@@ -39,7 +39,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _run(args) -> int:
     from .engine import saved
-    from .generate import _resolve
+    from .generate import _resolve, _settings
     from .models.loading import load, load_draft
     from .serve.server import ApiError, Served, parse_request
 
@@ -48,10 +48,7 @@ def _run(args) -> int:
     draft = None if args.block_size == 1 else load_draft(draft_path)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p,
                     args.top_k, args.min_p, args.max_tokens, prompt_cache_size=1, concurrency=1)
-    key = None if args.fresh else saved.key_of(model_path, draft_path, args.block_size, bits=None,
-                                                sampled=args.temp > 0)
-    if key is not None:
-        saved.recall(draft, key)
+    key = saved.start(draft, model_path, draft_path, args.block_size, args.fresh, **_settings(args), bits=None)
     start = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(start)
     print("Type a message; /reset starts over, /quit leaves.", flush=True)

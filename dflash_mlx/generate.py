@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from .engine.decoding import GenerationResponse, generate, print_stats, stream_generate
-from .errors import run_command
 from .engine import saved
 from .engine.policy import Policy
+from .errors import run_command
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "noise), or the draft's argmax.")
     p.add_argument("--fresh", action="store_true",
                    help="Start auto afresh: do not read or keep what earlier runs with this target and draft "
-                        "learnt about which lengths pay (kept in $DFLASH_MLX_CACHE, default ~/.cache/dflash_mlx).")
+                        "learnt about which lengths pay (kept in $DFLASH_MLX_CACHE/auto, default ~/.cache/dflash_mlx/auto).")
     add_pipeline_arg(p)
     p.add_argument("--quiet", action="store_true", help="Print the text only, no statistics.")
     p.add_argument(
@@ -185,11 +185,8 @@ def _run(args) -> int:
 
         processors = make_logits_processors(repetition_penalty=args.repetition_penalty)
     _warm_up(model, draft, tokenizer, args.block_size)
-    # Settings that change what a round costs or accepts keep apart.
-    key = None if args.fresh else saved.key_of(model_path, draft_path, args.block_size, bits=args.draft_bits,
-                                                sampled=args.temp > 0, **_variants(args))
-    if key is not None:
-        saved.recall(draft, key)
+    key = saved.start(draft, model_path, draft_path, args.block_size, args.fresh, **_settings(args),
+                      bits=args.draft_bits, **_variants(args))
     if args.prompt is None and not args.quiet:
         print(f"> {DEFAULT_PROMPT}", flush=True)
     last, text = None, ""
@@ -228,6 +225,13 @@ def _variants(args) -> dict:
           "proposal": args.proposal}
     defaults = {"accept_threshold": None, "denoise_steps": 1, "proposal": None}
     return {k: v for k, v in kw.items() if v != defaults[k]}
+
+
+def _settings(args) -> dict:
+    """The sampling settings that change what a round accepts, so that runs
+    with other ones keep their "auto" policies apart."""
+    return {"sampled": args.temp > 0, "seeded": args.temp > 0 and args.seed is not None,
+            "penalty": getattr(args, "repetition_penalty", None)}
 
 
 def _warm_up(model, draft, tokenizer, block_size) -> None:

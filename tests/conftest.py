@@ -87,10 +87,8 @@ def draft_for(tmp_path):
     return get
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _saved_policies(tmp_path_factory):
+@pytest.fixture(autouse=True)
+def _saved_policies(tmp_path, monkeypatch):
     """Runs of the command line keep what "auto" learnt (dflash_mlx.engine.saved):
-    here in a folder of the session's, never in the user's cache."""
-    import os
-
-    os.environ["DFLASH_MLX_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    here in each test's own folder, never in the user's cache."""
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))

@@ -16,11 +16,10 @@ PROMPT = "class A:\n"
 
 
 @pytest.fixture
-def pair(loaded, tmp_path, monkeypatch):
+def pair(loaded, tmp_path):
     """A right draft (it always guesses the one token the tiny target
     repeats after PROMPT), the CLI arguments for it, and the saved file's path
     getter."""
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path / "cache"))
     model, tok, folder = loaded("qwen3", tied=True)
     ref = mlx_tokens(model, tok, PROMPT, 40)
     assert len(set(ref)) == 1, "the tiny target no longer repeats one token here"
@@ -35,11 +34,13 @@ def pair(loaded, tmp_path, monkeypatch):
     return args, want, files
 
 
-def run(args, capsys):
-    """(text, mean acceptance length) of one CLI run."""
+def run(args, capsys, err=None):
+    """(text, mean acceptance length) of one CLI run; its stderr is appended to ``err``."""
     assert main(args) == 0
-    out = capsys.readouterr().out
-    text, _, stats = out.rpartition("\n==========\n")
+    out = capsys.readouterr()
+    if err is not None:
+        err.append(out.err)
+    text, _, stats = out.out.rpartition("\n==========\n")
     return text, float(re.search(r"Mean acceptance length: ([0-9.]+)", stats)[1])
 
 
@@ -68,23 +69,30 @@ def test_a_run_starts_where_the_last_one_left(pair, capsys):
     assert json.loads(path.read_text()) == plain_wins(16)  # nor written
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps(plain_wins(8)), '{"block_size": 16}',
-                                     json.dumps({**plain_wins(16), "times": [[1, 99, 1.0, 1.0]]}),
-                                     json.dumps({**plain_wins(16), "lost": -1.0}),
-                                     json.dumps({**plain_wins(16), "spent": float("nan")}), "[]"])
+def damaged(**change) -> str:
+    return json.dumps({**plain_wins(16), **change})
+
+
+@pytest.mark.parametrize("content", [
+    "{not json", "[]", json.dumps(plain_wins(8)), '{"block_size": 16}',
+    damaged(times=plain_wins(16)["times"] + [[1, 99, 1.0, 1.0]]),  # accepted, plain steps would win
+    damaged(times=[[1, 1, 0.0, 10.0], [1, 16, 100.0, 10.0]]),  # a zero time would divide
+    damaged(own={"2": [[5.0], [1.0]]}), damaged(own=[]), damaged(lost=-1.0), damaged(spent=float("nan")),
+    damaged(spent=10**400),
+])
 def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content):
     args, want, files = pair
     run(args, capsys)
     (path,) = files()
     path.write_text(content)
-    text, tau = run(args, capsys)
+    err = []
+    text, tau = run(args, capsys, err)
     assert text == want and tau > 4  # a fresh start
-    assert capsys.readouterr().err == ""
+    assert err == [""]
     assert json.loads(path.read_text())["block_size"] == 16
 
 
-def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for, tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_MLX_CACHE", str(tmp_path))
+def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     _, _, folder = loaded("qwen3", tied=True)
     a, b = draft_for(folder), draft_for(folder)
     p = Policy.of(a)

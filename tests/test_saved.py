@@ -109,7 +109,7 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]
 
 
-def test_the_chat_command_keeps_it_too(pair, tmp_path):
+def test_the_chat_command_keeps_it_too(pair):
     import os
     import subprocess
     import sys

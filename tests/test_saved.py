@@ -133,3 +133,46 @@ def test_the_chat_command_keeps_it_too(pair):
     path.write_text(json.dumps(plain_wins(16)))
     chat("--fresh")
     assert json.loads(path.read_text()) == plain_wins(16)
+
+
+def test_the_server_keeps_it_between_restarts(pair):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from util import free_port, openai_client
+
+    args, want, files = pair
+    model, draft = args[1], args[3]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+
+    def serve(*extra, keeps=True):
+        """(text, mean acceptance length) of one request to a new server, stopped once it kept its policy."""
+        before = [(p, p.read_text()) for p in files()]
+        port = free_port()
+        p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--model", model, "--draft", draft,
+                              "--port", str(port), "--log-level", "WARNING", *extra], env=env)
+        try:
+            r = openai_client(port, wait=60).completions.create(model=model, prompt=PROMPT, max_tokens=40)
+            end = time.monotonic() + 10 * keeps
+            while [(p, p.read_text()) for p in files()] == before and time.monotonic() < end:
+                time.sleep(0.05)  # kept once the server is idle, maybe after the reply
+        finally:
+            p.terminate()
+            p.wait(10)
+        return r.choices[0].text, r.model_extra["dflash"]["mean_accepted"]
+
+    text, tau = serve()
+    assert text == want and tau > 4
+    (path,) = files()
+    assert any(n == 16 for _, n, _, _ in json.loads(path.read_text())["times"])
+    path.write_text(json.dumps(plain_wins(16)))
+    text, tau = serve()
+    assert text == want and tau == 1.0  # the restarted server started from the saved policy
+    kept = json.loads(path.read_text())["times"]
+    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["times"]
+    path.write_text(json.dumps(plain_wins(16)))
+    text, tau = serve("--fresh", keeps=False)
+    assert text == want and tau > 4
+    assert json.loads(path.read_text()) == plain_wins(16)

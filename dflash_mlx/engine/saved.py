@@ -1,5 +1,6 @@
 """What ``block_size="auto"`` learnt about a target and draft, kept between
-runs of the command line (in a process, the policy already carries over).
+runs of the command line and restarts of the server (in a process, the
+policy already carries over).
 
 A fresh policy spends the first rounds of a generation finding out which
 length pays: in one-shot runs of 128 tokens on the toy target with its two
@@ -7,7 +8,7 @@ good drafts it made 0.72-0.81 of the best fixed block, a recalled one
 0.91-0.98 (docs/measurements.md, 2026-12-06). Each run starts from what the last one
 with the same target, draft and settings left, and adapts from there as it
 does between generations in one process. The file is a cache: unreadable or
-not matching, it is ignored (and replaced at the end of the run).
+not matching, it is ignored (and replaced when the policy is next kept).
 """
 
 import hashlib

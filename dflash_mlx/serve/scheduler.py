@@ -51,11 +51,14 @@ class Scheduler:
         width: The most jobs decoded together (1: one at a time).
         sticky: Run every job to its end even if its client goes (ranks of a
             sharded target must all run the same forwards).
+        idle: Called on the model thread whenever the last job has ended and
+            none waits (e.g. to save what ``auto`` learnt).
     """
 
-    def __init__(self, model, draft, tokenizer, block_size="auto", width: int = 4, sticky: bool = False):
+    def __init__(self, model, draft, tokenizer, block_size="auto", width: int = 4, sticky: bool = False,
+                 idle: Optional[Callable[[], None]] = None):
         self.model, self.draft, self.tokenizer, self.block_size = model, draft, tokenizer, block_size
-        self.width, self.sticky = width, sticky
+        self.width, self.sticky, self.idle = width, sticky, idle
         self.batch: Optional[Batch] = None
         self._waiting: collections.deque = collections.deque()
         self._wake = threading.Condition()
@@ -151,6 +154,8 @@ class Scheduler:
                 elif not more:  # a stop string: the rest is not wanted
                     self.batch.remove(key)
                     jobs.pop(key).end(False)
+        if self.idle is not None and not jobs and not self._waiting:
+            self.idle()
 
     def _alone(self, job: Job) -> None:
         """Run ``job`` on its own with :func:`.stream_generate`."""

@@ -21,6 +21,7 @@ only, up to the target's rounding).
 
 import argparse
 import collections
+import functools
 import itertools
 import json
 import logging
@@ -39,6 +40,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..engine import saved
 from ..engine.decoding import DraftCache
 from ..models.distributed import group
 from ..errors import DFlashError, exit_now, run_command
@@ -136,7 +138,7 @@ class Served:
 
     def __init__(self, model, draft, tokenizer, model_id, block_size="auto", temp=0.0, top_p=0.0,
                  top_k=0, min_p=0.0, max_tokens=512, chat_template_args=None, prompt_cache_size=4,
-                 concurrency=4, prompt_cache_bytes=None):
+                 concurrency=4, prompt_cache_bytes=None, idle=None):
         self.model, self.draft, self.tokenizer, self.model_id = model, draft, tokenizer, model_id
         self.block_size = block_size
         self.defaults = dict(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=None)
@@ -148,7 +150,8 @@ class Served:
         self.created = int(time.time())
         # The one thread that runs the model; a sharded target's ranks run
         # every generation to its end.
-        self.scheduler = Scheduler(model, draft, tokenizer, block_size, concurrency, sticky=group() is not None)
+        self.scheduler = Scheduler(model, draft, tokenizer, block_size, concurrency, sticky=group() is not None,
+                                   idle=idle)
 
 
 def _context_length(model) -> Optional[int]:
@@ -455,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=block_size_arg, default="auto")
     p.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
                    help="Quantize the draft's linear layers to this many bits at load.")
+    p.add_argument("--fresh", action="store_true",
+                   help="Start auto afresh: do not read or keep what earlier servers with this target and draft learnt.")
     add_pipeline_arg(p)
     p.add_argument("--chat-template-args", type=json.loads, default={},
                    help='JSON object passed to the chat template, e.g. \'{"enable_thinking": false}\'.')
@@ -483,9 +488,13 @@ def _run(args) -> int:
     model_path, draft_path = _resolve(args)
     model, tokenizer = load(model_path, pipeline=args.pipeline)
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
+    # What auto learnt is kept whenever the server goes idle, so a restart starts from it.
+    key = saved.start(draft, model_path, draft_path, args.block_size, args.fresh, server=True,
+                      sampled=args.temp > 0, bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
-                    args.decode_concurrency, args.prompt_cache_bytes)
+                    args.decode_concurrency, args.prompt_cache_bytes,
+                    idle=None if key is None else functools.partial(saved.keep, draft, key))
     if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
         follow(served)
         return 0

@@ -21,11 +21,12 @@ from ..errors import UnsupportedModelError
 from .rollback import CacheTape, DeltaTape, check_rollback, trims_exactly
 
 
-class _Tap(nn.Module):
-    """Calls ``module`` and keeps its first input or its output."""
+class _Tap:
+    """Calls ``module`` and keeps its first input or its output. A plain
+    object, not an nn.Module: its attributes then cost a plain lookup (an
+    nn.Module's cost ~20 us a toy forward, ~1% of a plain step)."""
 
     def __init__(self, module: nn.Module, keep: str):
-        super().__init__()
         self.module = module
         self.keep = keep
         self.value = None
@@ -33,11 +34,10 @@ class _Tap(nn.Module):
     def __getattr__(self, key):
         # Models read flags off their layers (is_linear, use_sliding, ...).
         try:
-            return super().__getattr__(key)
-        except AttributeError:
-            if "module" not in self:
-                raise
-            return getattr(dict.__getitem__(self, "module"), key)
+            module = self.__dict__["module"]
+        except KeyError:
+            raise AttributeError(key) from None
+        return getattr(module, key)
 
     def __call__(self, x, *args, **kwargs):
         out = self.module(x, *args, **kwargs)

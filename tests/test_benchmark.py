@@ -381,3 +381,18 @@ def test_hub_formats(tmp_path, monkeypatch):
     ]
     (t,) = ds.load_samples("mt-bench")
     assert t.turns == ["Write a poem.", "Shorter."]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_the_order_balances_place_and_predecessor(n):
+    """Each method runs in each place, and right after each other one, equally often."""
+    from collections import Counter
+
+    names = [f"m{k}" for k in range(n)]
+    rows = [bm.order(names, i) for i in range(2 * n if n % 2 else n)]
+    assert all(sorted(r) == names for r in rows)
+    places = Counter((p, m) for r in rows for p, m in enumerate(r))
+    follows = Counter(pair for r in rows for pair in zip(r, r[1:]))
+    assert len(set(places.values())) == 1 and len(places) == n * n
+    assert len(set(follows.values())) <= 1 and len(follows) == n * (n - 1)
+    assert bm.order(names, len(rows)) == rows[0]  # and it repeats

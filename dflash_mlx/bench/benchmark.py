@@ -2,8 +2,8 @@
 
 For every prompt, after a short warm-up, plain ``mlx_lm.stream_generate`` and
 DFlash ``stream_generate`` (and, with ``--baseline-draft-model``, mlx-lm's own
-speculative decoding) run on the same token ids, the order rotating from one
-prompt to the next. Each temperature of ``--temp`` (default 0 and 0.7) is a
+speculative decoding) run on the same token ids, in an order that changes
+from one prompt to the next (see :func:`order`). Each temperature of ``--temp`` (default 0 and 0.7) is a
 full pass over the prompts; sampled passes are seeded (``--seed``, default 0)
 so they repeat exactly (``--seed none``: DFlash samples unseeded, from MLX's
 generator seeded alike). At temperature 0 the outputs must be token-identical;
@@ -637,6 +637,20 @@ def encode(tokenizer, text: str) -> List[int]:
     return ids
 
 
+def order(names: List[str], i: int) -> List[str]:
+    """The methods' order for prompt ``i``: the i-th row of a Williams
+    square. Over len(names) prompts (twice as many if odd) each method runs
+    in each place, and right after each other method, equally often. A
+    method's speed depends on the one before it here: on the toy target a
+    plain run made 385 tok/s after a block-16 run and 305 after a plain one
+    (2026-12-06), and a rotation gives each method the same predecessor."""
+    n = len(names)
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    r = i % (n if n % 2 == 0 else 2 * n)
+    row = [names[(x + r) % n] for x in first]
+    return row[::-1] if r >= n else row
+
+
 class Bench:
     """Runs the methods on prompts and collects records."""
 
@@ -653,18 +667,17 @@ class Bench:
         self.records, self.runs, self.profs = [], [], {}
 
     def prompt(self, pid: str, ids: List[int], category: Optional[str], show: Callable[[str], None]) -> dict:
-        """Warm up, run every method (order rotated from prompt to prompt),
-        profile."""
+        """Warm up, run every method (in :func:`order`), profile."""
+        names = order(list(self.methods), len(self.records))
         if self.warmup:
             show(f"{pid}: warm-up")
-            for f in self.methods.values():
-                f(ids, min(self.warmup, self.s.max_tokens))
-        names = list(self.methods)
-        k = len(self.records) % len(names)
-        runs = {}
-        for name in names[k:] + names[:k]:
+            for name in names:
+                self.methods[name](ids, min(self.warmup, self.s.max_tokens))
+        done = {}
+        for name in names:
             show(f"{pid}: {name}")
-            runs[name] = self.methods[name](ids)
+            done[name] = self.methods[name](ids)
+        runs = {name: done[name] for name in self.methods}  # reported in the columns' order
         profs = {}
         if self.profile == "inline":
             profs = {c.key: runs[c.key] for c in self.cols}

@@ -641,14 +641,16 @@ def order(names: List[str], i: int) -> List[str]:
     """The methods' order for prompt ``i``: the i-th row of a Williams
     square. Over len(names) prompts (twice as many if odd) each method runs
     in each place, and right after each other method, equally often. A
-    method's speed depends on the one before it here: on the toy target a
-    plain run made 385 tok/s after a block-16 run and 305 after a plain one
-    (2026-12-06), and a rotation gives each method the same predecessor."""
+    method's speed depends on the one before it here: on the toy target our
+    block 1 made 385 tok/s right after a block-16 run and 305 after a plain
+    one (mlx-lm 354 and 304; 2026-12-06), and a rotation gives each method
+    the same predecessor. With n odd, rows alternate forward and backward, so
+    a run that stops short of 2n prompts is not one-sided."""
     n = len(names)
     first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
-    r = i % (n if n % 2 == 0 else 2 * n)
+    r, back = ((i // 2) % n, i % 2 == 1) if n % 2 else (i % n, False)
     row = [names[(x + r) % n] for x in first]
-    return row[::-1] if r >= n else row
+    return row[::-1] if back else row
 
 
 class Bench:
@@ -671,7 +673,7 @@ class Bench:
         names = order(list(self.methods), len(self.records))
         if self.warmup:
             show(f"{pid}: warm-up")
-            for name in names:
+            for name in names[1:] + names[:1]:  # the first measured run follows its own warm-up
                 self.methods[name](ids, min(self.warmup, self.s.max_tokens))
         done = {}
         for name in names:

@@ -73,8 +73,7 @@ def _run(args) -> int:
             print(f"error: {e}", flush=True)
             continue
         messages.append({"role": "assistant", "content": _reply(served, req)})
-        if key is not None:
-            saved.keep(draft, key)
+        saved.keep(draft, key)
 
 
 def _reply(served, req) -> str:

@@ -197,8 +197,7 @@ def _run(args) -> int:
     if not args.quiet:
         print("=" * 10)
         print_stats(last)
-    if key is not None:
-        saved.keep(draft, key)
+    saved.keep(draft, key)
     if not last.exact:
         print(f"Note: --accept-threshold {args.accept_threshold} accepts near-top draft tokens: "
               "this is not exactly the target's output.", file=sys.stderr)

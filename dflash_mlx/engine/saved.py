@@ -54,10 +54,11 @@ def recall(draft, key: str) -> bool:
     return True
 
 
-def keep(draft, key: str) -> None:
+def keep(draft, key: Optional[str]) -> None:
     """Save what ``draft``'s policy learnt, for the next run with ``key``
-    (written whole or not at all; a failure to write is not an error)."""
-    p = memo(draft).get("policy")
+    (written whole or not at all; a failure to write is not an error).
+    Nothing is kept where :func:`start` gave no key."""
+    p = memo(draft).get("policy") if key is not None else None
     if p is None:
         return
     state = {

@@ -494,7 +494,7 @@ def _run(args) -> int:
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
                     args.decode_concurrency, args.prompt_cache_bytes,
-                    idle=None if key is None else functools.partial(saved.keep, draft, key))
+                    idle=functools.partial(saved.keep, draft, key))
     if rank() != 0:  # a follower: no HTTP, it runs what rank 0 shares
         follow(served)
         return 0

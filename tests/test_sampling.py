@@ -254,8 +254,8 @@ class _NearTieAt:
 
 
 def test_plain_steps_redo_near_ties_exactly(loaded, draft_for):
-    """A plain step whose greedy() is unsure takes the exact path's token, and
-    the step queued on the bare argmax's token is taken back."""
+    """A plain step at a near tie takes mlx-lm's token (the argmax of the
+    log-probabilities, not of the logits), queued steps included."""
     model, tok, folder = loaded("qwen3")
     prompt = "import os\n"
     pos = len(tok.encode(prompt)) + 3

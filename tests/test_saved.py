@@ -21,12 +21,12 @@ def pair(loaded, tmp_path):
     repeats after PROMPT), the CLI arguments for it, and the saved file's path
     getter."""
     model, tok, folder = loaded("qwen3", tied=True)
-    ref = mlx_tokens(model, tok, PROMPT, 40)
+    ref = mlx_tokens(model, tok, PROMPT, 60)
     assert len(set(ref)) == 1, "the tiny target no longer repeats one token here"
     draft = make_draft(tmp_path / "draft", folder, mask_token_id=ref[0], echo=True)
     args = ["--model", str(folder), "--draft", str(draft), "--prompt", PROMPT,
-            "--no-chat-template", "--max-tokens", "40"]
-    _, want = mlx_run(model, tok, PROMPT, 40)
+            "--no-chat-template", "--max-tokens", "60"]
+    _, want = mlx_run(model, tok, PROMPT, 60)
 
     def files():
         return list(saved.folder().glob("*.json"))
@@ -154,7 +154,7 @@ def test_the_server_keeps_it_between_restarts(pair):
         p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.server", "--model", model, "--draft", draft,
                               "--port", str(port), "--log-level", "WARNING", *extra], env=env)
         try:
-            r = openai_client(port, wait=60).completions.create(model=model, prompt=PROMPT, max_tokens=40)
+            r = openai_client(port, wait=60).completions.create(model=model, prompt=PROMPT, max_tokens=60)
             end = time.monotonic() + (10 if keeps else 1)  # --fresh: time to keep it, if it wrongly did
             while [(p, p.read_text()) for p in files()] == before and time.monotonic() < end:
                 time.sleep(0.05)  # kept once the server is idle, maybe after the reply

@@ -5,8 +5,8 @@ draft's block (near the end, also the tokens left); each round takes the
 one expected to commit the most tokens per second of the loop's own clock:
 
 - Seconds per round: a decaying mean of the rounds of that length, apart
-  for each batch width (the first round after a switch between drafting and
-  plain steps is not counted). The plain step and the full block are timed
+  for each batch width (the first rounds after a switch between drafting and
+  plain steps are not counted). The plain step and the full block are timed
   first; a length not timed is interpolated between timed ones, which is
   optimistic (the draft pass costs at any length), so it is tried where it
   might win.

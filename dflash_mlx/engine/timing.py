@@ -27,8 +27,11 @@ class RoundTimer:
     steps. Counted from the first step's end, a stretch of 2 steps was
     priced at 0.25 ms; from its start, a short stretch priced a 5.7 ms step
     at 9.2 ms (the first step after a switch runs slower). A drafting round
-    is timed from the end of the last one, unless plain steps (or the
-    prompt) came before it: it also reads their features. Every round, from
+    is timed from the end of the last one, unless it is one of the first two
+    after plain steps (or the prompt): the first also reads their features,
+    and the second still ran 10-20% slower than the next ones (rounds of 8
+    on the toy target, one core: 9.2, 7.1, then 6.3-6.7 ms); timed, it kept
+    a length looking dearer than it runs. Every round, from
     the last one's end, is spent against the budget (:meth:`Policy.spend`).
     Under mlx.launch, rank 0's times, a round late (sent with the next
     round's tokens, see :meth:`agree`).
@@ -40,7 +43,7 @@ class RoundTimer:
     def __init__(self, policy: Optional[Policy] = None):
         self.policy = policy
         self._tick = None  # when the last round (or the prefill) ended
-        self._last = None  # whether the last round drafted
+        self._last = 0  # drafting rounds in a row up to the last one
         self._run = 0  # plain steps since the last drafting round or booking of their time
         self._second = 0.0  # the second one's end
         self._prev = 0.0  # when the round before the last one ended
@@ -49,7 +52,7 @@ class RoundTimer:
     def start(self) -> None:
         """Time the next rounds afresh, from now (a prefill, or the batch the
         row was in, just ended)."""
-        self._last, self._run, self._tick = None, 0, _policy.clock()
+        self._last, self._run, self._tick = 0, 0, _policy.clock()
 
     def learn(self, length: int, accepted: int, took: bool = True) -> None:
         """Teach the policy a round whose tokens were just read, and time it."""
@@ -58,7 +61,7 @@ class RoundTimer:
             if drafted:
                 self.policy.learn(length, [accepted])
                 self._stretch()
-                if self._last:  # not after plain steps (or the prompt): it also reads their features
+                if self._last >= 2:  # not the first two after plain steps (or the prompt)
                     self._time(length, now - self._tick, 1)
                 self._run = 0
             else:
@@ -73,7 +76,7 @@ class RoundTimer:
             self._time(-length, now - self._tick, accepted + 1)  # what it learnt may make it a probe
             if took:
                 self.policy.took(length)
-        self._prev, self._tick, self._last = self._tick, now, drafted
+        self._prev, self._tick, self._last = self._tick, now, self._last + 1 if drafted else 0
 
     def end(self) -> None:
         """The generation ended: time its last plain steps."""

@@ -145,29 +145,31 @@ def test_a_step_queued_at_the_prompt_is_taken_back(loaded, draft_for, monkeypatc
             assert out + more == ref, (n, stop)
 
 
-@pytest.mark.parametrize("block_size", [1, "auto"])
-def test_plain_steps_recover_from_a_doubted_token(loaded, draft_for, monkeypatch, block_size):
-    """Greedy plain steps take the argmax of the logits (no log-softmax) and
-    queue the next step on it; where the argmax is in doubt they check it
-    against the log-probabilities, and a queued step that followed the wrong
-    token is taken back. Here every fast argmax is wrong and doubted: the
-    output is still mlx-lm's, and the cache holds exactly the tokens."""
+@pytest.mark.parametrize("block_size", [1, 4, "auto"])
+def test_a_doubted_argmax_is_redone(loaded, draft_for, monkeypatch, block_size):
+    """A greedy verification takes the argmax of the logits (no log-softmax);
+    where it is in doubt the block is chosen again from the log-probabilities.
+    Here every fast argmax is wrong and doubted: the output is still mlx-lm's,
+    and the cache holds exactly the tokens. Plain steps never take the fast
+    argmax: they choose as mlx-lm's loop does."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     import dflash_mlx.engine.decoding as decoding
 
     model, tok, folder = loaded("qwen3")
-    real = decoding.greedy
+    real, calls = decoding.greedy, []
 
     def wrong(logits):
+        calls.append(logits.shape[0])
         y, _ = real(logits)
         return (y + 1) % logits.shape[-1], mx.array(True)
 
     monkeypatch.setattr(decoding, "greedy", wrong)
-    draft = draft_for(folder) if block_size == "auto" else None
+    draft = draft_for(folder) if block_size != 1 else None
     cache = make_prompt_cache(model)
     ids = tok.encode(PROMPTS[0])
     out, _ = dflash_tokens(model, draft, tok, PROMPTS[0], block_size=block_size, max_tokens=20, prompt_cache=cache)
     assert out == mlx_tokens(model, tok, PROMPTS[0], 20)
+    assert (len(calls) > 0) == (block_size != 1), calls
     assert cache[0].offset == len(ids) + len(out) - 1

@@ -253,9 +253,10 @@ class _NearTieAt:
         return logits
 
 
-def test_plain_steps_redo_near_ties_exactly(loaded, draft_for):
+def test_plain_steps_take_mlx_lms_token_at_near_ties(loaded, draft_for):
     """A plain step at a near tie takes mlx-lm's token (the argmax of the
-    log-probabilities, not of the logits), queued steps included."""
+    log-probabilities, not of the logits), queued steps included (block 4:
+    the verification's redo)."""
     model, tok, folder = loaded("qwen3")
     prompt = "import os\n"
     pos = len(tok.encode(prompt)) + 3

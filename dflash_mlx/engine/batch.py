@@ -200,7 +200,8 @@ class Batch:
             row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0])
 
     def _learn(self, length: int, accepted: List[int], width: int) -> None:
-        """Teach the policy a batched round (timed as :class:`.RoundTimer` times one row's)."""
+        """Teach the policy a batched round (timed as :class:`.RoundTimer` times one row's,
+        but only the first round after a switch is left untimed: not measured in batches)."""
         now, kind = _policy.clock(), (width, length > 1)
         if self.policy is not None:
             if accepted:

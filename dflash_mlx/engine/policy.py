@@ -187,7 +187,7 @@ class Policy:
     def time(self, length: int, seconds: float, width: int = 1, rounds: int = 1) -> None:
         """``rounds`` rounds of ``length`` on ``width`` rows took ``seconds``
         each (a drafting round: the one :meth:`learn` was told last); not the
-        first after a switch, which does more than its own work."""
+        first rounds after a switch, which do more than their own work."""
         s = self.times.setdefault((width, length), [0.0, 0.0])
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])

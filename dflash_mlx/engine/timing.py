@@ -28,10 +28,11 @@ class RoundTimer:
     priced at 0.25 ms; from its start, a short stretch priced a 5.7 ms step
     at 9.2 ms (the first step after a switch runs slower). A drafting round
     is timed from the end of the last one, unless it is one of the first two
-    after plain steps (or the prompt): the first also reads their features,
-    and the second still ran 10-20% slower than the next ones (rounds of 8
-    on the toy target, one core: 9.2, 7.1, then 6.3-6.7 ms); timed, it kept
-    a length looking dearer than it runs. Every round, from
+    after plain steps (or the prompt, or a batch): the first also reads their
+    features, and the second still ran 6-13% slower than the next ones
+    (rounds of 8 after the prompt, toy target, one core: 9.2, 7.1, then
+    6.3-6.7 ms); timed, it kept a length looking dearer than it runs (a
+    batch, see :mod:`.batch`, leaves only the first untimed). Every round, from
     the last one's end, is spent against the budget (:meth:`Policy.spend`).
     Under mlx.launch, rank 0's times, a round late (sent with the next
     round's tokens, see :meth:`agree`).
@@ -61,7 +62,7 @@ class RoundTimer:
             if drafted:
                 self.policy.learn(length, [accepted])
                 self._stretch()
-                if self._last >= 2:  # not the first two after plain steps (or the prompt)
+                if self._last >= 2:  # not the first two after plain steps (or the prompt, or a batch)
                     self._time(length, now - self._tick, 1)
                 self._run = 0
             else:

@@ -3,9 +3,10 @@
 For every prompt, after a short warm-up, plain ``mlx_lm.stream_generate`` and
 DFlash ``stream_generate`` (and, with ``--baseline-draft-model``, mlx-lm's own
 speculative decoding) run on the same token ids, in an order that changes
-from one prompt to the next (see :func:`order`). Each temperature of ``--temp`` (default 0 and 0.7) is a
-full pass over the prompts; sampled passes are seeded (``--seed``, default 0)
-so they repeat exactly (``--seed none``: DFlash samples unseeded, from MLX's
+from one prompt to the next (see :func:`order`). Each temperature of
+``--temp`` (default 0 and 0.7) is a full pass over the prompts; sampled
+passes are seeded (``--seed``, default 0) so they repeat exactly
+(``--seed none``: DFlash samples unseeded, from MLX's
 generator seeded alike). At temperature 0 the outputs must be token-identical;
 any difference is a failure (exit code 3).
 

@@ -44,7 +44,7 @@ class RoundTimer:
     def __init__(self, policy: Optional[Policy] = None):
         self.policy = policy
         self._tick = None  # when the last round (or the prefill) ended
-        self._last = 0  # drafting rounds in a row up to the last one
+        self._drafts = 0  # drafting rounds in a row, up to the last round
         self._run = 0  # plain steps since the last drafting round or booking of their time
         self._second = 0.0  # the second one's end
         self._prev = 0.0  # when the round before the last one ended
@@ -53,7 +53,7 @@ class RoundTimer:
     def start(self) -> None:
         """Time the next rounds afresh, from now (a prefill, or the batch the
         row was in, just ended)."""
-        self._last, self._run, self._tick = 0, 0, _policy.clock()
+        self._drafts, self._run, self._tick = 0, 0, _policy.clock()
 
     def learn(self, length: int, accepted: int, took: bool = True) -> None:
         """Teach the policy a round whose tokens were just read, and time it."""
@@ -62,7 +62,7 @@ class RoundTimer:
             if drafted:
                 self.policy.learn(length, [accepted])
                 self._stretch()
-                if self._last >= 2:  # not the first two after plain steps (or the prompt, or a batch)
+                if self._drafts >= 2:  # not the first two after plain steps (or the prompt, or a batch)
                     self._time(length, now - self._tick, 1)
                 self._run = 0
             else:
@@ -77,7 +77,7 @@ class RoundTimer:
             self._time(-length, now - self._tick, accepted + 1)  # what it learnt may make it a probe
             if took:
                 self.policy.took(length)
-        self._prev, self._tick, self._last = self._tick, now, self._last + 1 if drafted else 0
+        self._prev, self._tick, self._drafts = self._tick, now, self._drafts + 1 if drafted else 0
 
     def end(self) -> None:
         """The generation ended: time its last plain steps."""

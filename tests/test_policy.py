@@ -490,13 +490,36 @@ def test_probes_lose_at_most_the_budget():
         total += seconds
         lost += seconds - 0.004
     assert {n for n in kinds if n > 1} == {2}  # the best drafting round: the cheapest
-    assert 0.5 * p.budget * total <= lost <= 1.1 * p.budget * total, (lost, total)
+    # A probe runs whenever the loss is under the budget: about half a probe (2 ms a
+    # window of 256 x 4 ms, 0.2%) over it.
+    assert 0.5 * p.budget * total <= lost <= 1.2 * p.budget * total, (lost, total)
     probes = 0
     while p.choose() == 1 or probes == 0:  # the draft turns right
         n = p.choose()
         timed(p, n, 0.004 if n == 1 else 0.006, n - 1)
         probes += n > 1
     assert probes <= 3 and p.choose() > 1
+
+
+def test_only_probes_are_charged_to_the_budget():
+    """Rounds chosen because drafting won are not charged, even the one whose
+    result makes plain steps win: a draft that pays only on some stretches
+    would otherwise spend the budget at each bad stretch and probe no more
+    (heldout_draft2_early locked into plain steps in 11 of 20 benchmark
+    passes that way, 1 of 10 with this). A probe is charged."""
+    p = Policy(8)
+    timed(p, 8, 0.010, 7)
+    timed(p, 8, 0.010, 7)
+    while p.skip:
+        timed(p, 1, 0.004)
+    assert p.choose() == 8
+    while not p.plain_wins():  # the draft goes bad
+        timed(p, p.choose(), 0.010, 0)
+    assert p.lost == 0
+    while (n := p.choose()) == 1:
+        timed(p, 1, 0.004)
+    timed(p, n, 0.010, 0)  # a probe, as wrong
+    assert p.lost > 0
 
 
 def test_noisy_plain_steps_buy_no_probes():
@@ -513,7 +536,9 @@ def test_noisy_plain_steps_buy_no_probes():
             timed(p, n, (0.004 if n == 1 else 0.006) * math.exp(rng.gauss(0, 0.25)), 0)
             probes += n > 1
             budgeted += p.budget * 0.004 / 0.002 * (n == 1)  # a probe loses 2 ms
-    assert probes <= 1.15 * budgeted, (probes, budgeted)  # counting every plain round: 1.35x
+    # Over 40 seeds: 1.09x while the round that made plain steps win was charged too,
+    # 1.15x with only probes charged; counting every plain round's loss: 1.35x.
+    assert probes <= 1.25 * budgeted, (probes, budgeted)
 
 
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():

@@ -19,10 +19,10 @@ one expected to commit the most tokens per second of the loop's own clock:
   leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
-probe, counted as several rounds) to find a draft that starts to help, while
-what probes and the rounds next to them lose against plain steps stays within
-``budget`` of the loop's recent time: a useless draft costs at most that
-share (after its first rounds), on any pair.
+probe, counted as several rounds) to find a draft that starts to help; what
+probes alone (not a round chosen because drafting won, even one that makes plain
+steps win) and the rounds next to them lose stays within ``budget`` of the
+loop's recent time, give or take a probe: a useless draft costs about that share.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
@@ -73,6 +73,7 @@ class Policy:
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
     _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
+    _probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
     # kept as best() asks 2-3 times a round: until learn() (chances, tokens) or time() (times)
     _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
@@ -155,6 +156,7 @@ class Policy:
         if self.skip > 0 or limit < 2:
             return 1
         best = self.best(limit, width)
+        self._probe = best == 1  # a drafting round now is a probe
         if best > 1 or self.lost > self.budget * self.spent:
             return best
         return self.best(limit, width, least=2)
@@ -196,15 +198,16 @@ class Policy:
             s[:] = [self.decay * s[0] + seconds, self.decay * s[1] + 1]
 
     def spend(self, seconds: float, tokens: float, width: int = 1, drafted: bool = False) -> None:
-        """A round took ``seconds`` and committed ``tokens`` a row. While plain
-        steps win, what a drafting round takes beyond their time for as many
-        tokens is lost (a gain only if it drafted none: a lucky probe of a
-        useless draft would buy the next ones), and so is what the plain rounds
+        """A round took ``seconds`` and committed ``tokens`` a row. What a probe
+        (a round :meth:`choose` chose while plain steps won; under mlx.launch,
+        booked a round late, the next round's flag) takes beyond their time for
+        as many tokens is lost (a gain only if it drafted none: a lucky probe of
+        a useless draft would buy the next ones), and so is what the plain rounds
         next to it lose (one before, two after: where a switch costs); no other's."""
         keep = 1 - 1 / self.window
         self.lost *= keep
         self.spent = self.spent * keep + seconds
-        if not self.plain_wins(width):
+        if not (self._probe if drafted else self.plain_wins(width)):
             return
         loss = seconds - tokens * self.seconds(1, width)
         if drafted:
@@ -232,18 +235,15 @@ class Policy:
 
     @staticmethod
     def forget(draft) -> None:
-        """Drop what generations with ``draft`` taught (e.g. after a warm-up
-        on a throwaway prompt), so the next one starts afresh."""
+        """Drop what generations with ``draft`` taught, so the next one starts afresh."""
         memo(draft).pop("policy", None)
 
 
-# id(draft) -> what its generations learnt (see memo).
-_learnt: Dict[int, dict] = {}
+_learnt: Dict[int, dict] = {}  # id(draft) -> what its generations learnt (see memo)
 
 
 def memo(draft) -> dict:
-    """What generations with ``draft`` learnt (the policy, the proposal's
-    temperature), kept while the draft lives."""
+    """What generations with ``draft`` learnt (the policy, the proposal's temperature)."""
     if id(draft) not in _learnt:
         _learnt[id(draft)] = {}
         weakref.finalize(draft, _learnt.pop, id(draft), None)

@@ -74,7 +74,7 @@ class RoundTimer:
                 if self._run >= (RETIME if self.policy.timed(1) else 4):
                     self._stretch(self._tick)
                     self._run = 0
-            self._time(-length, now - self._tick, accepted + 1)  # what it learnt may make it a probe
+            self._time(-length, now - self._tick, accepted + 1)  # charged if a probe (Policy.spend)
             if took:
                 self.policy.took(length)
         self._prev, self._tick, self._drafts = self._tick, now, self._drafts + 1 if drafted else 0

@@ -506,7 +506,7 @@ def test_only_probes_are_charged_to_the_budget():
     result makes plain steps win: a draft that pays only on some stretches
     would otherwise spend the budget at each bad stretch and probe no more
     (heldout_draft2_early locked into plain steps in 15 of 25 benchmark
-    passes that way, 1 of 10 with this). A probe is charged."""
+    passes that way, 4 of 13 with this). A probe is charged."""
     p = Policy(8)
     timed(p, 8, 0.010, 7)
     timed(p, 8, 0.010, 7)

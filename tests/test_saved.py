@@ -109,6 +109,34 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]
 
 
+def test_the_oldest_files_go_beyond_the_limit_and_failures_are_quiet(loaded, draft_for, monkeypatch):
+    import os
+
+    _, _, folder = loaded("qwen3", tied=True)
+    a = draft_for(folder)
+    Policy.of(a).time(1, 0.01)
+    monkeypatch.setattr(saved, "FILES", 3)
+    for i in range(5):
+        saved.keep(a, f"k{i}")
+        newest = saved._file(f"k{i}")
+        os.utime(newest, (1000 + i, 1000 + i))  # mtimes a second apart, whatever the file system's resolution
+    assert sorted(saved.folder().glob("*")) == sorted(saved._file(f"k{i}") for i in (2, 3, 4))
+    assert saved.recall(draft_for(folder), "k4") and not saved.recall(draft_for(folder), "k0")
+
+    monkeypatch.setenv("DFLASH_MLX_CACHE", str(newest))  # a file where the folder should be
+    saved.keep(a, "k5")  # not an error
+    monkeypatch.setattr(saved, "_file", lambda key: 1 / 0)
+    saved.keep(a, "k6")  # nor is anything else that goes wrong
+
+
+def test_the_default_folder_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("DFLASH_MLX_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert saved.folder() == tmp_path / "xdg" / "dflash_mlx" / "auto"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert saved.folder() == Path.home() / ".cache" / "dflash_mlx" / "auto"
+
+
 def test_the_chat_command_keeps_it_too(pair):
     import os
     import subprocess

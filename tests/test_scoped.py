@@ -103,6 +103,25 @@ def test_taps_undone_when_forward_fails(arch, loaded):
     same(before, snapshot(model))
 
 
+def test_stand_ins_copy_like_what_they_stand_in_for(loaded):
+    import copy
+
+    from mlx_lm.models.cache import KVCache
+
+    from dflash_mlx.engine.target import Target, _CacheTap, _LayerInput, _Tap
+
+    model, _, _ = loaded("qwen3")
+    target = Target(model)
+    for wrapper, name in [(_Tap(target.layers[0], "output"), "mlp"), (_LayerInput(target), "weight"),
+                          (_CacheTap(KVCache()), "offset")]:
+        # (a deep copy of _LayerInput would copy the Target and its lock)
+        for twin in [copy.copy(wrapper)] + ([copy.deepcopy(wrapper)] if name != "weight" else []):
+            assert type(twin) is type(wrapper)
+            assert type(getattr(twin, name)) is type(getattr(wrapper, name))
+        with pytest.raises(AttributeError):
+            type(wrapper).__new__(type(wrapper)).anything  # no __init__: an AttributeError, not a RecursionError
+
+
 def test_two_threads(loaded, draft_for):
     import threading
 

@@ -26,12 +26,14 @@ from .policy import Policy, memo
 
 
 def folder() -> Path:
-    """Where the policies are kept: ``$DFLASH_MLX_CACHE``, else
-    ``$XDG_CACHE_HOME/dflash_mlx`` (``~/.cache/dflash_mlx``)."""
-    root = os.environ.get("DFLASH_MLX_CACHE")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_mlx"
-    return Path(root) / "auto"
+    """Where the policies are kept: ``auto/`` in the cache root (``$DFLASH_MLX_CACHE``,
+    else ``$XDG_CACHE_HOME/dflash_mlx``, ``~/.cache/dflash_mlx``)."""
+    from ..models.gguf import cache_root
+
+    return cache_root() / "auto"
+
+
+FILES = 64  # the most policies kept: the least recently kept go first
 
 
 FORMAT = 1  # what the file's numbers mean: changed with the Policy's fields
@@ -56,27 +58,32 @@ def recall(draft, key: str) -> bool:
 
 def keep(draft, key: Optional[str]) -> None:
     """Save what ``draft``'s policy learnt, for the next run with ``key``
-    (written whole or not at all; a failure to write is not an error).
-    Nothing is kept where :func:`start` gave no key."""
+    (written whole or not at all; a failure to write is not an error), and
+    drop the oldest beyond :data:`FILES`. Nothing is kept where :func:`start`
+    gave no key."""
     p = memo(draft).get("policy") if key is not None else None
     if p is None:
         return
-    state = {
-        "block_size": p.block_size,
-        "times": [[w, n, s, r] for (w, n), (s, r) in p.times.items()],
-        "own": {str(n): c for n, c in p.own.items()},
-        "spent": p.spent,
-        "lost": p.lost,
-    }
-    path, tmp = _file(key), None
+    tmp = None
     try:
+        state = {
+            "block_size": p.block_size,
+            "times": [[w, n, s, r] for (w, n), (s, r) in p.times.items()],
+            "own": {str(n): c for n, c in p.own.items()},
+            "spent": p.spent,
+            "lost": p.lost,
+        }
+        path = _file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             json.dump(state, f)
         os.replace(tmp, path)
         tmp = None
-    except OSError:
+        by_age = sorted(path.parent.glob("*.json"), key=lambda f: f.stat().st_mtime, reverse=True)
+        for old in by_age[FILES:]:
+            old.unlink(missing_ok=True)
+    except Exception:  # a cache: never worth failing a run for
         pass
     finally:
         if tmp is not None:

@@ -21,6 +21,16 @@ from ..errors import UnsupportedModelError
 from .rollback import CacheTape, DeltaTape, check_rollback, trims_exactly
 
 
+def _wrapped(wrapper, name: str):
+    """What ``wrapper`` stands in for, from its own attribute ``name``. Read
+    from ``__dict__``: a copy made without ``__init__`` (copy.copy, pickle)
+    would otherwise recurse through ``__getattr__``."""
+    try:
+        return wrapper.__dict__[name]
+    except KeyError:
+        raise AttributeError(name) from None
+
+
 class _Tap:
     """Calls ``module`` and keeps its first input or its output. A plain
     object, not an nn.Module: its attributes then cost a plain lookup (an
@@ -33,11 +43,7 @@ class _Tap:
 
     def __getattr__(self, key):
         # Models read flags off their layers (is_linear, use_sliding, ...).
-        try:
-            module = self.__dict__["module"]
-        except KeyError:
-            raise AttributeError(key) from None
-        return getattr(module, key)
+        return getattr(_wrapped(self, "module"), key)
 
     def __call__(self, x, *args, **kwargs):
         out = self.module(x, *args, **kwargs)
@@ -71,7 +77,7 @@ class _LayerInput:
         self._target = target
 
     def __getattr__(self, key):
-        return getattr(self._target.embed_tokens, key)
+        return getattr(_wrapped(self, "_target").embed_tokens, key)
 
     def __call__(self, tokens: mx.array) -> mx.array:
         return self._target.first_layer_input(tokens)
@@ -322,7 +328,7 @@ class _CacheTap:
         self.value = None
 
     def __getattr__(self, key):
-        return getattr(self.cache, key)
+        return getattr(_wrapped(self, "cache"), key)
 
     def update_and_fetch(self, keys, values):
         self.value = (keys, values)

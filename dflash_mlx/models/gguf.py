@@ -1,8 +1,8 @@
 """GGUF targets: convert a .gguf file once into an ordinary mlx-lm folder.
 
 The folder (float32 safetensors, config.json, tokenizer.json and
-tokenizer_config.json with the chat template) lands in a cache directory,
-``$DFLASH_MLX_CACHE`` or ``~/.cache/dflash_mlx``, keyed by the file's content,
+tokenizer_config.json with the chat template) lands in a cache directory
+(:func:`cache_root`), keyed by the file's content,
 and is then loaded by mlx-lm like any other model folder.
 """
 
@@ -49,9 +49,12 @@ PRE = ("smollm", "gpt-2", "default") + tuple(SPLITS)
 
 
 def cache_root() -> Path:
-    """Where converted models and measured costs live: $DFLASH_MLX_CACHE or ~/.cache/dflash_mlx."""
+    """Where converted models and what ``auto`` learnt live: ``$DFLASH_MLX_CACHE``,
+    else ``$XDG_CACHE_HOME/dflash_mlx`` (``~/.cache/dflash_mlx``)."""
     env = os.environ.get("DFLASH_MLX_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dflash_mlx"
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash_mlx"
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:

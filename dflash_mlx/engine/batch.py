@@ -201,7 +201,8 @@ class Batch:
 
     def _learn(self, length: int, accepted: List[int], width: int) -> None:
         """Teach the policy a batched round (timed as :class:`.RoundTimer` times one row's,
-        but only the first round after a switch is left untimed: not measured in batches)."""
+        but only the first round after a switch is left untimed: in batches of 4 rows the
+        second ran no slower than the next ones, docs/measurements.md, session 47)."""
         now, kind = _policy.clock(), (width, length > 1)
         if self.policy is not None:
             if accepted:

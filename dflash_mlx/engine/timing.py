@@ -32,8 +32,9 @@ class RoundTimer:
     features, and the second still ran 6-13% slower than the next ones
     (rounds of 8 after the prompt, toy target, one core: 9.2, 7.1, then
     6.3-6.7 ms); timed, it kept a length looking dearer than it runs (a
-    batch, see :mod:`.batch`, leaves only the first untimed: its second is not slower). Every round, from
-    the last one's end, is spent against the budget (:meth:`Policy.spend`).
+    batch, see :mod:`.batch`, leaves only the first untimed: its second is
+    not slower). Every round, from the last one's end, is spent against the
+    budget (:meth:`Policy.spend`).
     Under mlx.launch, rank 0's times, a round late (sent with the next
     round's tokens, see :meth:`agree`).
 

@@ -22,14 +22,13 @@ from typing import Optional
 
 import mlx.core as mx
 
+from ..models.gguf import cache_root
 from .policy import Policy, memo
 
 
 def folder() -> Path:
     """Where the policies are kept: ``auto/`` in the cache root (``$DFLASH_MLX_CACHE``,
     else ``$XDG_CACHE_HOME/dflash_mlx``, ``~/.cache/dflash_mlx``)."""
-    from ..models.gguf import cache_root
-
     return cache_root() / "auto"
 
 

@@ -214,10 +214,11 @@ def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     # The ends are timed first (the first two rounds after a switch not
     # counted): three full blocks, four plain steps; then the longest that fits.
     assert rounds[:7] == [(16, 16, True)] * 3 + [(1, 1, False)] * 4, rounds
-    assert rounds[7:] and all(v == a and d for v, a, d in rounds[7:]), rounds
+    assert rounds[7:] and all(v == a and d == (v > 1) for v, a, d in rounds[7:]), rounds
     again = auto_run(model, draft, tok, "class A:\n", max_tokens=60)[2]
-    # The last round verifies all the tokens left (11), not 8, 2 and 1.
-    assert again == [(16, 16, True)] * 3 + [(11, 11, True)], again
+    # The 11 tokens left: the longest lengths that fit (a round of 11 made
+    # no measurable difference on five pairs, session 48).
+    assert again == [(16, 16, True)] * 3 + [(8, 8, True), (2, 2, True), (1, 1, False)], again
 
 
 @pytest.mark.parametrize("own_vocab", [False, True])
@@ -392,50 +393,7 @@ def test_ends_are_timed_first_then_the_fastest_length_wins():
         timed(p, 4, 0.009, 3)  # measured slower than hoped: 444/s
     assert p.seconds(4) == pytest.approx(0.009)
     assert p.choose() in (4, 8)
-    assert p.choose(limit=3) == 3 and p.choose(limit=1) == 1  # the tokens left, in one round
-
-
-def test_a_probe_after_plain_steps_counts_as_several_rounds():
-    """A draft wrong for long, then plain steps: one probe that finds it
-    right moves its estimate as ``stands`` drafting rounds would (not one),
-    and a probe right after a drafting round counts once."""
-    def after(plain):
-        p = Policy(8)
-        for _ in range(100):
-            p.learn(8, [0])
-        for _ in range(plain):
-            p.took(1)
-        p.learn(8, [7])
-        return p.chances()[0]
-
-    def rounds(n):
-        return _after_rounds([0] * 100 + [7] * n)
-
-    assert after(0) == pytest.approx(rounds(1))
-    assert after(20) == pytest.approx(rounds(Policy(8).stands), rel=0.1) and after(20) > 5 * after(0)
-
-
-def test_the_plain_steps_that_time_them_make_no_probe():
-    """The plain steps taken to time them (after the full block's first
-    rounds) were not chosen: the drafting round after them counts once, so
-    that one unlucky round does not weigh as several and make plain steps win."""
-    def unlucky(p):
-        timed(p, 8, 0.010, 7)
-        timed(p, 8, 0.010, 7)
-        while p.skip:
-            timed(p, 1, 0.004)
-        p.learn(8, [0])
-        return p.chances()[0]
-
-    assert unlucky(Policy(8)) == pytest.approx(_after_rounds([7, 7, 0]))
-
-
-def _after_rounds(accepted):
-    """Depth 0's chance after drafting rounds of 8 that accepted these."""
-    p = Policy(8)
-    for a in accepted:
-        p.learn(8, [a])
-    return p.chances()[0]
+    assert p.choose(limit=3) == 2 and p.choose(limit=1) == 1  # the longest that fits the tokens left
 
 
 def test_a_round_tells_what_shorter_ones_would_have_accepted():
@@ -460,18 +418,6 @@ def test_a_lengths_own_rounds_outweigh_longer_ones():
         p.learn(4, [3])
     assert p.tokens(4) > 3.4 and p.tokens(16) < 1.5
     assert p.tokens(8) < p.tokens(4)  # no round of 8 yet: every round's counts
-
-
-def test_a_round_cut_short_counts_as_the_next_lengths():
-    """Near a generation's end a round verifies the tokens left (13 of 16):
-    its counts are the 16s', so one lucky such round does not make 13 look
-    best (and lose against plain steps) at the next generation's end."""
-    p = Policy(16)
-    for _ in range(20):
-        p.learn(16, [1])
-    p.learn(13, [12])
-    assert set(p.own) == {16}
-    assert p.tokens(13) == p.gains(16)[12] < 2.5
 
 
 def test_probes_lose_at_most_the_budget():

@@ -1,8 +1,8 @@
 """``block_size="auto"``: how many tokens each decoding round verifies.
 
 The choices are the round lengths 1 (a plain step), 2, 4, ... up to the
-draft's block (near the end, also the tokens left); each round takes the
-one expected to commit the most tokens per second of the loop's own clock:
+draft's block (near the end, those that fit); each round takes the one
+expected to commit the most tokens per second of the loop's own clock:
 
 - Seconds per round: a decaying mean of the rounds of that length, apart
   for each batch width (the first rounds after a switch between drafting and
@@ -11,12 +11,11 @@ one expected to commit the most tokens per second of the loop's own clock:
   optimistic (the draft pass costs at any length), so it is tried where it
   might win.
 - Tokens per round: draft i's chance of acceptance given the ones before
-  it, a decaying count per depth of the rounds of that length (one cut
-  short by the tokens left counts as the next length's). Where a length has
-  seen little, it leans on every round's counts, which say roughly what a
-  shorter round would accept (its drafts are not a longer block's first
-  ones: on the toy pairs they accepted 10-20% more); a depth seen little
-  leans on the one before it.
+  it, a decaying count per depth of the rounds of that length. Where a
+  length has seen little, it leans on every round's counts, which say
+  roughly what a shorter round would accept (its drafts are not a longer
+  block's first ones: on the toy pairs they accepted 10-20% more); a depth
+  seen little leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
 probe, counted as several rounds) to find a draft that starts to help; what
@@ -51,9 +50,6 @@ class Policy:
         budget: The share of the time (over about the last ``window``
             rounds) that drafting rounds may lose against plain steps while
             plain steps win.
-        stands: A drafting round after n plain steps counts as min(n + 1,
-            ``stands``) rounds, so that the counts of a draft that had made
-            plain steps win change with a few probes, not dozens.
     """
 
     block_size: int
@@ -62,12 +58,10 @@ class Policy:
     prior: float = 1.0
     budget: float = 0.01
     window: int = 256
-    stands: int = 8
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
     # length -> [hits, trials]: its rounds' decaying counts per depth
     own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
-    plain: int = field(init=False, default=0)  # plain steps chosen (not skip's) since the last drafting round
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
@@ -98,7 +92,7 @@ class Policy:
             for h, t in zip(*self.counts()):
                 last = (h + self.prior * last) / (t + self.prior)
                 self._pooled.append(last)
-        out, own = list(self._pooled), self.own.get(self.kind(length) if length else None)
+        out, own = list(self._pooled), self.own.get(length)
         if own:
             h, t = own
             out[: len(h)] = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
@@ -135,11 +129,9 @@ class Policy:
 
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
-        tokens per second, ``width`` rows at once (the untimed full block first).
-        A ``limit`` below the block (the tokens left) is an option too: one
-        round may verify them all."""
+        tokens per second, ``width`` rows at once (the untimed full block first)."""
         limit = limit or self.block_size
-        options = [n for n in self.lengths if least <= n < limit] + [limit] * (limit >= least)
+        options = [n for n in self.lengths if least <= n <= limit]
         if self.block_size in options and not self.timed(self.block_size, width):
             return self.block_size
         if not self.timed(1, width):
@@ -163,20 +155,14 @@ class Policy:
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
-        w = min(1 + self.plain, self.stands)
-        decay, self._pooled, self._tokens, self.plain = self.memory ** (w * len(accepted)), None, {}, 0
+        decay, self._pooled, self._tokens = self.memory ** len(accepted), None, {}
         for counts in [c for o in self.own.values() for c in o]:
             counts[:] = [c * decay for c in counts]
-        n = self.kind(length)
-        hits, trials = self.own.setdefault(n, [[0.0] * (n - 1), [0.0] * (n - 1)])
+        hits, trials = self.own.setdefault(length, [[0.0] * (length - 1), [0.0] * (length - 1)])
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
-                hits[i] += w * (i < a)
-                trials[i] += w
-
-    def kind(self, length: int) -> int:
-        """The length of :attr:`lengths` whose counts a round of ``length`` (maybe cut short) adds to."""
-        return min(n for n in self.lengths if n >= length)
+                hits[i] += i < a
+                trials[i] += 1
 
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""
@@ -222,7 +208,7 @@ class Policy:
         """Count a round of ``length`` (learnt from and timed): once the full
         block is timed, plain steps until they are timed too."""
         if length == 1:
-            self.skip, self.plain = max(self.skip - 1, 0), self.plain + (self.skip == 0)
+            self.skip = max(self.skip - 1, 0)
         elif not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps

@@ -18,10 +18,10 @@ expected to commit the most tokens per second of the loop's own clock:
   seen little leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
-probe, counted as several rounds) to find a draft that starts to help; what
-probes alone (not a round chosen because drafting won, even one that makes plain
-steps win) and the rounds next to them lose stays within ``budget`` of the
-loop's recent time, give or take a probe: a useless draft costs about that share.
+probe) to find a draft that starts to help; what probes alone (not a round
+chosen because drafting won, even one that makes plain steps win) and the
+rounds next to them lose stays within ``budget`` of the loop's recent time,
+give or take a probe: a useless draft costs about that share.
 What a policy learnt carries over to the next generation with the same draft.
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.

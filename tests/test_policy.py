@@ -217,7 +217,7 @@ def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     assert rounds[7:] and all(v == a and d == (v > 1) for v, a, d in rounds[7:]), rounds
     again = auto_run(model, draft, tok, "class A:\n", max_tokens=60)[2]
     # The 11 tokens left: the longest lengths that fit (a round of 11 made
-    # no measurable difference on five pairs, session 48).
+    # no measurable difference on six pairs, session 48).
     assert again == [(16, 16, True)] * 3 + [(8, 8, True), (2, 2, True), (1, 1, False)], again
 
 

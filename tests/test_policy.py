@@ -402,22 +402,8 @@ def test_a_round_tells_what_shorter_ones_would_have_accepted():
         p.learn(8, [2])  # drafts 1 and 2 right, 3 wrong; deeper ones never seen
     c = p.chances()
     assert c[0] > 0.95 and c[1] > 0.95 and c[2] < 0.1
-    assert p.counts()[1][3] == 0 and c[3] < 0.1  # an unseen depth leans on the one before
+    assert p.trials[3] == 0 and c[3] < 0.1  # an unseen depth leans on the one before
     assert p.tokens(2) == pytest.approx(2.0, abs=0.05) and p.tokens(8) == pytest.approx(3.0, abs=0.1)
-
-
-def test_a_lengths_own_rounds_outweigh_longer_ones():
-    """A shorter block's drafts are not a longer block's first drafts (the
-    draft sees the whole block at once): until rounds of 4 run, the 16s
-    tell what they would accept; then their own rounds do."""
-    p = Policy(16)
-    for _ in range(20):
-        p.learn(16, [0])
-    assert p.tokens(4) == pytest.approx(1.0, abs=0.1)
-    for _ in range(10):
-        p.learn(4, [3])
-    assert p.tokens(4) > 3.4 and p.tokens(16) < 1.5
-    assert p.tokens(8) < p.tokens(4)  # no round of 8 yet: every round's counts
 
 
 def test_probes_lose_at_most_the_budget():

@@ -47,7 +47,7 @@ def run(args, capsys, err=None):
 def plain_wins(block_size: int) -> dict:
     """A saved state in which plain steps win by far and probes spent their budget."""
     return {"block_size": block_size, "times": [[1, 1, 0.01, 10.0], [1, block_size, 100.0, 10.0]],
-            "own": {}, "spent": 1.0, "lost": 1.0}
+            "counts": [[0.0] * (block_size - 1)] * 2, "spent": 1.0, "lost": 1.0}
 
 
 def test_a_run_starts_where_the_last_one_left(pair, capsys):
@@ -77,7 +77,8 @@ def damaged(**change) -> str:
     "{not json", "[]", json.dumps(plain_wins(8)), '{"block_size": 16}',
     damaged(times=plain_wins(16)["times"] + [[1, 99, 1.0, 1.0]]),  # accepted, plain steps would win
     damaged(times=[[1, 1, 0.0, 10.0], [1, 16, 100.0, 10.0]]),  # a zero time would divide
-    damaged(own={"2": [[5.0], [1.0]]}), damaged(own=[]), damaged(lost=-1.0), damaged(spent=float("nan")),
+    damaged(counts=[[5.0] + [0.0] * 14, [1.0] + [0.0] * 14]), damaged(counts=[]), damaged(counts=[[0.0], [0.0]]),
+    damaged(lost=-1.0), damaged(spent=float("nan")),
     damaged(spent=10**400),
 ])
 def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content):
@@ -105,7 +106,7 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     assert not saved.recall(b, "another key") and "policy" not in memo(b)
     assert saved.recall(b, "k")
     q = Policy.of(b)
-    assert (q.times, q.own, q.spent, q.lost) == (p.times, p.own, p.spent, p.lost)
+    assert (q.times, q.hits, q.trials, q.spent, q.lost) == (p.times, p.hits, p.trials, p.spent, p.lost)
     assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]
 
 

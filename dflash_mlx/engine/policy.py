@@ -11,11 +11,8 @@ expected to commit the most tokens per second of the loop's own clock:
   optimistic (the draft pass costs at any length), so it is tried where it
   might win.
 - Tokens per round: draft i's chance of acceptance given the ones before
-  it, a decaying count per depth of the rounds of that length. Where a
-  length has seen little, it leans on every round's counts, which say
-  roughly what a shorter round would accept (its drafts are not a longer
-  block's first ones: on the toy pairs they accepted 10-20% more); a depth
-  seen little leans on the one before it.
+  it, a decaying count per depth over every drafting round; a depth seen
+  little leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
 probe) to find a draft that starts to help; what probes alone (not a round
@@ -60,58 +57,43 @@ class Policy:
     window: int = 256
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
-    # length -> [hits, trials]: its rounds' decaying counts per depth
-    own: Dict[int, List[List[float]]] = field(init=False, default_factory=dict)
+    # decaying counts per depth over every drafting round: drafts accepted, checked
+    hits: List[float] = field(init=False)
+    trials: List[float] = field(init=False)
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
     _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
     _probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
-    # kept as best() asks 2-3 times a round: until learn() (chances, tokens) or time() (times)
-    _pooled: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
-    _tokens: Dict[int, float] = field(init=False, default_factory=dict, repr=False, compare=False)
+    # kept as best() asks 2-3 times a round: until learn() (gains) or time() (times)
+    _gains: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _timed: Dict[int, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
+        self.hits, self.trials = [0.0] * max(self.block_size - 1, 0), [0.0] * max(self.block_size - 1, 0)
 
-    def counts(self) -> Tuple[List[float], List[float]]:
-        """Every round's decaying counts per depth: drafts accepted, checked."""
-        hits, trials = [0.0] * max(self.block_size - 1, 0), [0.0] * max(self.block_size - 1, 0)
-        for h, t in self.own.values():
-            for i in range(len(h)):
-                hits[i], trials[i] = hits[i] + h[i], trials[i] + t[i]
-        return hits, trials
-
-    def chances(self, length: Optional[int] = None) -> List[float]:
-        """Each draft's estimated chance of acceptance given the ones before: from every round,
-        or in rounds of ``length``, from theirs (leaning on every round's where they saw little)."""
-        if self._pooled is None:
-            self._pooled, last = [], 0.5
-            for h, t in zip(*self.counts()):
-                last = (h + self.prior * last) / (t + self.prior)
-                self._pooled.append(last)
-        out, own = list(self._pooled), self.own.get(length)
-        if own:
-            h, t = own
-            out[: len(h)] = [(a + self.prior * c) / (b + self.prior) for a, b, c in zip(h, t, out)]
+    def chances(self) -> List[float]:
+        """Each draft's estimated chance of acceptance given the ones before."""
+        out, last = [], 0.5
+        for h, t in zip(self.hits, self.trials):
+            last = (h + self.prior * last) / (t + self.prior)
+            out.append(last)
         return out
 
-    def gains(self, length: Optional[int] = None) -> List[float]:
-        """Expected tokens committed by a round of each length 1..block, by
-        the chances of :meth:`chances` (``length``: of rounds of that length)."""
-        reach, out = 1.0, [1.0]
-        for p in self.chances(length):
-            reach *= p
-            out.append(out[-1] + reach)
-        return out
+    def gains(self) -> List[float]:
+        """Expected tokens committed by a round of each length 1..block."""
+        if self._gains is None:
+            reach, self._gains = 1.0, [1.0]
+            for p in self.chances():
+                reach *= p
+                self._gains.append(self._gains[-1] + reach)
+        return self._gains
 
     def tokens(self, length: int) -> float:
         """Expected tokens committed by a round of ``length``."""
-        if length not in self._tokens:
-            self._tokens[length] = self.gains(length)[length - 1]
-        return self._tokens[length]
+        return self.gains()[length - 1]
 
     def seconds(self, length: int, width: int = 1) -> Optional[float]:
         """A round's expected seconds: measured, else interpolated between
@@ -155,14 +137,13 @@ class Policy:
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
-        decay, self._pooled, self._tokens = self.memory ** len(accepted), None, {}
-        for counts in [c for o in self.own.values() for c in o]:
-            counts[:] = [c * decay for c in counts]
-        hits, trials = self.own.setdefault(length, [[0.0] * (length - 1), [0.0] * (length - 1)])
+        decay, self._gains = self.memory ** len(accepted), None
+        self.hits[:] = [h * decay for h in self.hits]
+        self.trials[:] = [t * decay for t in self.trials]
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
-                hits[i] += i < a
-                trials[i] += 1
+                self.hits[i] += i < a
+                self.trials[i] += 1
 
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""

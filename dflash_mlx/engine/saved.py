@@ -35,7 +35,7 @@ def folder() -> Path:
 FILES = 64  # the most policies kept: the least recently kept go first
 
 
-FORMAT = 1  # what the file's numbers mean: changed with the Policy's fields
+FORMAT = 2  # what the file's numbers mean: changed with the Policy's fields
 
 
 def _file(key: str) -> Path:
@@ -68,7 +68,7 @@ def keep(draft, key: Optional[str]) -> None:
         state = {
             "block_size": p.block_size,
             "times": [[w, n, s, r] for (w, n), (s, r) in p.times.items()],
-            "own": {str(n): c for n, c in p.own.items()},
+            "counts": [p.hits, p.trials],
             "spent": p.spent,
             "lost": p.lost,
         }
@@ -101,13 +101,12 @@ def _policy(block_size: int, state: dict) -> Policy:
         p.times[(w, n)] = [_number(s), _number(r)]
         if r and not s > 0:  # a round takes time: a zero would divide
             raise ValueError(f"a zero time of length {n}")
-    for n, (hits, trials) in state["own"].items():
-        n = int(n)
-        if n not in p.lengths or len(hits) != n - 1 or len(trials) != n - 1:
-            raise ValueError(f"counts of length {n}")
-        p.own[n] = [[_number(h) for h in hits], [_number(t) for t in trials]]
-        if any(h > t for h, t in zip(*p.own[n])):
-            raise ValueError(f"more hits than trials in length {n}")
+    hits, trials = state["counts"]
+    if len(hits) != block_size - 1 or len(trials) != block_size - 1:
+        raise ValueError("counts of another block size")
+    p.hits, p.trials = [_number(h) for h in hits], [_number(t) for t in trials]
+    if any(h > t for h, t in zip(p.hits, p.trials)):
+        raise ValueError("more hits than trials")
     p.spent, p.lost = _number(state["spent"]), _number(state["lost"])
     return p
 

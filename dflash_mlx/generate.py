@@ -228,8 +228,9 @@ def _variants(args) -> dict:
 
 def _settings(args) -> dict:
     """The sampling settings that change what a round accepts, so that runs
-    with other ones keep their "auto" policies apart."""
-    return {"sampled": args.temp > 0, "seeded": args.temp > 0 and args.seed is not None,
+    with other ones keep their "auto" policies apart (greedy and sampled
+    generations have a policy each in one file)."""
+    return {"seeded": args.temp > 0 and args.seed is not None,
             "penalty": getattr(args, "repetition_penalty", None)}
 
 

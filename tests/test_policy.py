@@ -247,6 +247,21 @@ def test_draft_that_becomes_right_is_used_again(modelled, loaded, draft_for, tmp
     assert sum(a for a, d in after if d) >= 0.5 * sum(a for a, _ in after), rounds
 
 
+def test_sampled_generations_do_not_steer_greedy_ones(modelled, loaded, draft_for):
+    """A sampled round accepts less and costs more than a greedy one, so each
+    kind of generation has its own policy: sampled ones on which a draft
+    fails do not keep greedy ones on which it is right from full blocks."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, "class A:\n", 40)
+    assert len(set(ref)) == 1
+    draft = draft_for(folder, mask_token_id=ref[0], echo=True)  # it always guesses ref[0]
+    for seed in range(3):
+        _, _, rounds = auto_run(model, draft, tok, "import os\n", max_tokens=40, temperature=1.0, seed=seed)
+    assert Policy.of(draft, sampled=True).best() == 1 and {v for v, _, _ in rounds} == {1}, rounds
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=40)
+    assert out == ref and rounds[:2] == [(16, 16, True)] * 2, rounds
+
+
 def test_auto_sampling_is_reproducible(modelled, loaded, draft_for):
     """A seed repeats its text while the policy carries what it learnt from
     one generation to the next: a useless draft drafts less the second time."""
@@ -488,6 +503,8 @@ def test_policy_is_kept_per_draft(loaded, draft_for):
     model, tok, folder = loaded("qwen3")
     a, b = draft_for(folder), draft_for(folder)
     assert Policy.of(a) is Policy.of(a) and Policy.of(a) is not Policy.of(b)
-    kept = Policy.of(a)
+    assert Policy.of(a, sampled=True) is Policy.of(a, sampled=True) is not Policy.of(a)
+    kept = Policy.of(a), Policy.of(a, sampled=True)
     Policy.forget(a)
-    assert Policy.of(a) is not kept and Policy.of(a).block_size == a.block_size
+    assert Policy.of(a) is not kept[0] and Policy.of(a, sampled=True) is not kept[1]
+    assert Policy.of(a).block_size == a.block_size

@@ -44,10 +44,11 @@ def run(args, capsys, err=None):
     return text, float(re.search(r"Mean acceptance length: ([0-9.]+)", stats)[1])
 
 
-def plain_wins(block_size: int) -> dict:
-    """A saved state in which plain steps win by far and probes spent their budget."""
-    return {"block_size": block_size, "times": [[1, 1, 0.01, 10.0], [1, block_size, 100.0, 10.0]],
-            "counts": [[0.0] * (block_size - 1)] * 2, "spent": 1.0, "lost": 1.0}
+def plain_wins(block_size: int, regime: str = "greedy") -> dict:
+    """A saved file in which, for ``regime``'s generations, plain steps win by
+    far and probes spent their budget."""
+    return {regime: {"block_size": block_size, "times": [[1, 1, 0.01, 10.0], [1, block_size, 100.0, 10.0]],
+                     "counts": [[0.0] * (block_size - 1)] * 2, "spent": 1.0, "lost": 1.0}}
 
 
 def test_a_run_starts_where_the_last_one_left(pair, capsys):
@@ -56,12 +57,13 @@ def test_a_run_starts_where_the_last_one_left(pair, capsys):
     assert text == want and tau > 4  # fresh: full blocks
     (path,) = files()
     state = json.loads(path.read_text())
-    assert state["block_size"] == 16 and any(n == 16 for _, n, _, _ in state["times"])
+    assert list(state) == ["greedy"]
+    assert state["greedy"]["block_size"] == 16 and any(n == 16 for _, n, _, _ in state["greedy"]["times"])
 
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = run(args, capsys)
     assert text == want and tau == 1.0  # started from the saved state: plain steps
-    assert json.loads(path.read_text())["times"] != plain_wins(16)["times"]  # kept again, with this run's times
+    assert json.loads(path.read_text())["greedy"]["times"] != plain_wins(16)["greedy"]["times"]  # kept again, with this run's times
 
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = run(args + ["--fresh"], capsys)
@@ -69,13 +71,27 @@ def test_a_run_starts_where_the_last_one_left(pair, capsys):
     assert json.loads(path.read_text()) == plain_wins(16)  # nor written
 
 
+def test_greedy_and_sampled_generations_learn_apart(pair, capsys):
+    """A sampled run's policy (a sampled round accepts less and costs more)
+    does not steer a greedy run, and each is kept beside the other."""
+    args, want, files = pair
+    run(args, capsys)
+    (path,) = files()
+    path.write_text(json.dumps(plain_wins(16, "sampled")))
+    text, tau = run(args, capsys)
+    assert text == want and tau > 4  # a fresh greedy policy: full blocks
+    state = json.loads(path.read_text())
+    assert state["sampled"] == plain_wins(16, "sampled")["sampled"] and state["greedy"]["block_size"] == 16
+
+
 def damaged(**change) -> str:
-    return json.dumps({**plain_wins(16), **change})
+    return json.dumps({"greedy": {**plain_wins(16)["greedy"], **change}})
 
 
 @pytest.mark.parametrize("content", [
-    "{not json", "[]", json.dumps(plain_wins(8)), '{"block_size": 16}',
-    damaged(times=plain_wins(16)["times"] + [[1, 99, 1.0, 1.0]]),  # accepted, plain steps would win
+    "{not json", "[]", "{}", json.dumps(plain_wins(8)), '{"greedy": {"block_size": 16}}',
+    json.dumps({**plain_wins(16), "other": plain_wins(16)["greedy"]}),
+    damaged(times=plain_wins(16)["greedy"]["times"] + [[1, 99, 1.0, 1.0]]),  # accepted, plain steps would win
     damaged(times=[[1, 1, 0.0, 10.0], [1, 16, 100.0, 10.0]]),  # a zero time would divide
     damaged(counts=[[5.0] + [0.0] * 14, [1.0] + [0.0] * 14]), damaged(counts=[]), damaged(counts=[[0.0], [0.0]]),
     damaged(lost=-1.0), damaged(spent=float("nan")),
@@ -90,24 +106,27 @@ def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content)
     text, tau = run(args, capsys, err)
     assert text == want and tau > 4  # a fresh start
     assert err == [""]
-    assert json.loads(path.read_text())["block_size"] == 16
+    assert json.loads(path.read_text())["greedy"]["block_size"] == 16
 
 
 def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     _, _, folder = loaded("qwen3", tied=True)
     a, b = draft_for(folder), draft_for(folder)
-    p = Policy.of(a)
+    p, ps = Policy.of(a), Policy.of(a, sampled=True)
+    assert p is not ps
     for n, acc, s in [(16, 5, 0.02), (16, 3, 0.02), (1, 0, 0.004), (4, 3, 0.008), (8, 2, 0.012), (2, 1, 0.006)]:
         if n > 1:
             p.learn(n, [acc])
+            ps.learn(n, [acc // 2])
         p.time(n, s, rounds=2)
+        ps.time(n, 2 * s)
         p.spend(s, acc + 1, drafted=n > 1)
     saved.keep(a, "k")
-    assert not saved.recall(b, "another key") and "policy" not in memo(b)
+    assert not saved.recall(b, "another key") and not memo(b)
     assert saved.recall(b, "k")
-    q = Policy.of(b)
-    assert (q.times, q.hits, q.trials, q.spent, q.lost) == (p.times, p.hits, p.trials, p.spent, p.lost)
-    assert [q.best(n) for n in range(2, 17)] == [p.best(n) for n in range(2, 17)]
+    for was, now in [(p, Policy.of(b)), (ps, Policy.of(b, sampled=True))]:
+        assert (now.times, now.hits, now.trials, now.spent, now.lost) == (was.times, was.hits, was.trials, was.spent, was.lost)
+        assert [now.best(n) for n in range(2, 17)] == [was.best(n) for n in range(2, 17)]
 
 
 def test_the_oldest_files_go_beyond_the_limit_and_failures_are_quiet(loaded, draft_for, monkeypatch):
@@ -157,8 +176,8 @@ def test_the_chat_command_keeps_it_too(pair):
     (path,) = files()
     path.write_text(json.dumps(plain_wins(16)))
     chat()
-    kept = json.loads(path.read_text())["times"]
-    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["times"]  # recalled, then this run's plain steps kept
+    kept = json.loads(path.read_text())["greedy"]["times"]
+    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["greedy"]["times"]  # recalled, then this run's plain steps kept
     path.write_text(json.dumps(plain_wins(16)))
     chat("--fresh")
     assert json.loads(path.read_text()) == plain_wins(16)
@@ -195,12 +214,12 @@ def test_the_server_keeps_it_between_restarts(pair):
     text, tau = serve()
     assert text == want and tau > 4
     (path,) = files()
-    assert any(n == 16 for _, n, _, _ in json.loads(path.read_text())["times"])
+    assert any(n == 16 for _, n, _, _ in json.loads(path.read_text())["greedy"]["times"])
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = serve()
     assert text == want and tau == 1.0  # the restarted server started from the saved policy
-    kept = json.loads(path.read_text())["times"]
-    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["times"]
+    kept = json.loads(path.read_text())["greedy"]["times"]
+    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["greedy"]["times"]
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = serve("--fresh", keeps=False)
     assert text == want and tau > 4

@@ -40,6 +40,7 @@ class _Row:
     detok: object
     prompt_tps: float
     cache: Optional[list]  # the caller's prompt cache, refilled when the row leaves
+    sampled: bool = False
     n: int = 0
     tic: float = field(default_factory=time.perf_counter)
 
@@ -72,7 +73,7 @@ class Batch:
         self.top = draft.block_size if self.bs == "auto" else self.bs
         self.draft = draft if self.top > 1 else None
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-        self.policy = Policy.of(draft) if self.bs == "auto" and self.draft is not None else None
+        self.auto = self.bs == "auto" and self.draft is not None
         self.rows: Dict[int, _Row] = {}
         # The rows' batched caches (in self.rows' order); None while one row
         # runs alone on its own caches, as stream_generate would.
@@ -99,12 +100,12 @@ class Batch:
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
         dec = _Decoder(self.target, self.draft, None, list(cache), False, draft_cache,
                        **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed),
-                       policy=self.policy)
+                       policy=Policy.of(self.draft, temperature > 0) if self.auto else None)
         tic = time.perf_counter()
         first = dec.prefill(ids, prefill_step_size, more=0 if self.rows else min(self.top, max_tokens - 1))
         mx.eval([c.state for c in dec.cache])
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
-                   len(ids) / (time.perf_counter() - tic), prompt_cache)
+                   len(ids) / (time.perf_counter() - tic), prompt_cache, temperature > 0)
         row.detok.reset()
         if self.rows:
             if self.cache is None:  # the first row ran alone: its queued step out, into a batch
@@ -175,7 +176,8 @@ class Batch:
         anchors = [mx.array(r.history[-1:]) for r in rows]
         limits = [min(self.top, r.max_tokens - r.n) for r in rows]
         most = max(limits) if self.draft is not None else 1
-        length = self.policy.choose(most, len(rows)) if self.policy is not None else most
+        policy = self.policy
+        length = policy.choose(most, len(rows)) if policy is not None else most
         lengths = [min(length, n) for n in limits]
         blocks, props = [], []
         for r, a, n in zip(rows, anchors, lengths):
@@ -193,26 +195,32 @@ class Batch:
             kept.append(row.dec._choose(logits[i, :n], row.history, blocks[i], p, q=q))
         rollback_rows(self.cache, [L - a - 1 for _, a in kept])
         # A row near its end verified fewer: what it accepted says nothing of depths beyond.
-        self._learn(length, [a for (_, a), n in zip(kept, lengths) if n == length > 1], len(rows))
+        self._learn(policy, length, [a for (_, a), n in zip(kept, lengths) if n == length > 1], len(rows))
         for i, row in enumerate(rows):
             choice, a = kept[i]
             feats = f[i : i + 1] if f is not None else None
             row.out = row.dec.commit(choice, a, feats, blocks[i].shape[0])
 
-    def _learn(self, length: int, accepted: List[int], width: int) -> None:
+    @property
+    def policy(self) -> Optional[Policy]:
+        """What chooses a round's length under "auto": the sampled generations'
+        policy if a row samples, else the greedy ones'."""
+        return Policy.of(self.draft, any(r.sampled for r in self.rows.values())) if self.auto else None
+
+    def _learn(self, policy: Optional[Policy], length: int, accepted: List[int], width: int) -> None:
         """Teach the policy a batched round (timed as :class:`.RoundTimer` times one row's,
         but only the first round after a switch is left untimed: in batches of 4 rows the
         second ran no slower than the next ones, docs/measurements.md, session 47)."""
         now, kind = _policy.clock(), (width, length > 1)
-        if self.policy is not None:
+        if policy is not None:
             if accepted:
-                self.policy.learn(length, accepted)
+                policy.learn(length, accepted)
             if self._last is not None:
                 if kind == self._last:  # not a switch
-                    self.policy.time(length, now - self._tick, width)
-                self.policy.spend(now - self._tick, 1 + sum(accepted) / len(accepted) if accepted else 1, width,
+                    policy.time(length, now - self._tick, width)
+                policy.spend(now - self._tick, 1 + sum(accepted) / len(accepted) if accepted else 1, width,
                                   drafted=length > 1)
-            self.policy.took(length, width)
+            policy.took(length, width)
         self._tick, self._last = now, kind
 
     @property

@@ -279,7 +279,7 @@ def stream_generate(
         threshold=accept_threshold,
         steps=denoise_steps,
         **_drawing(target, drafter, prompt_cache, temperature, top_p, min_p, top_k, seed, sampler, proposal),
-        policy=Policy.of(draft) if bs == "auto" else None,
+        policy=Policy.of(draft, sampler is None and temperature > 0) if bs == "auto" else None,
     )
     eos = set(tokenizer.eos_token_ids)
     detok = tokenizer.detokenizer

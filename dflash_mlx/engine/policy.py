@@ -19,7 +19,8 @@ probe) to find a draft that starts to help; what probes alone (not a round
 chosen because drafting won, even one that makes plain steps win) and the
 rounds next to them lose stays within ``budget`` of the loop's recent time,
 give or take a probe: a useless draft costs about that share.
-What a policy learnt carries over to the next generation with the same draft.
+What a policy learnt carries over to the next generation with the same draft
+and sampling (greedy or sampled: a sampled round accepts less and costs more).
 Nothing is measured ahead, and no length is assumed faster than it runs, so
 the choice holds on any pair and machine; the output never depends on it.
 """
@@ -196,14 +197,16 @@ class Policy:
             self.skip = 2
 
     @staticmethod
-    def of(draft) -> "Policy":
-        """The policy of ``draft``'s generations (made at the first)."""
-        return memo(draft).setdefault("policy", Policy(draft.block_size))
+    def of(draft, sampled: bool = False) -> "Policy":
+        """The policy of ``draft``'s greedy or ``sampled`` generations (made
+        at the first): what a round accepts and costs differs between them."""
+        return memo(draft).setdefault(("policy", sampled), Policy(draft.block_size))
 
     @staticmethod
     def forget(draft) -> None:
         """Drop what generations with ``draft`` taught, so the next one starts afresh."""
-        memo(draft).pop("policy", None)
+        for sampled in (False, True):
+            memo(draft).pop(("policy", sampled), None)
 
 
 _learnt: Dict[int, dict] = {}  # id(draft) -> what its generations learnt (see memo)

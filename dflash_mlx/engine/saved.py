@@ -6,8 +6,9 @@ A fresh policy spends the first rounds of a generation finding out which
 length pays: in one-shot runs of 128 tokens on the toy target with its two
 good drafts it made 0.72-0.81 of the best fixed block, a recalled one
 0.91-0.98 (docs/measurements.md, 2026-12-06). Each run starts from what the last one
-with the same target, draft and settings left, and adapts from there as it
-does between generations in one process. The file is a cache: unreadable or
+with the same target, draft and settings left (a policy for greedy generations
+and one for sampled ones), and adapts from there as it does between
+generations in one process. The file is a cache: unreadable or
 not matching, it is ignored (and replaced when the policy is next kept).
 """
 
@@ -43,35 +44,36 @@ def _file(key: str) -> Path:
     return folder() / (hashlib.sha256(name.encode()).hexdigest()[:20] + ".json")
 
 
+REGIMES = {"greedy": False, "sampled": True}  # a file's policies: Policy.of(draft, sampled)
+
+
 def recall(draft, key: str) -> bool:
-    """Start ``draft``'s policy from what the last run with ``key`` (the
-    target, the draft and their settings) left, if anything; whether it did."""
+    """Start ``draft``'s policies (greedy, sampled) from what the last run
+    with ``key`` (the target, the draft and their settings) left, if
+    anything; whether it did."""
     try:
         state = json.loads(_file(key).read_text())
-        policy = _policy(draft.block_size, state)
+        if not state or set(state) - set(REGIMES):
+            raise ValueError("no policy or an unknown one")
+        policies = {name: _policy(draft.block_size, s) for name, s in state.items()}
     except Exception:  # a cache: whatever is wrong with it, start afresh
         return False
-    memo(draft)["policy"] = policy
+    for name, p in policies.items():
+        memo(draft)[("policy", REGIMES[name])] = p
     return True
 
 
 def keep(draft, key: Optional[str]) -> None:
-    """Save what ``draft``'s policy learnt, for the next run with ``key``
+    """Save what ``draft``'s policies learnt, for the next run with ``key``
     (written whole or not at all; a failure to write is not an error), and
     drop the oldest beyond :data:`FILES`. Nothing is kept where :func:`start`
     gave no key."""
-    p = memo(draft).get("policy") if key is not None else None
-    if p is None:
+    found = {name: memo(draft).get(("policy", sampled)) for name, sampled in REGIMES.items()}
+    state = {name: _state(p) for name, p in found.items() if p is not None}
+    if key is None or not state:
         return
     tmp = None
     try:
-        state = {
-            "block_size": p.block_size,
-            "times": [[w, n, s, r] for (w, n), (s, r) in p.times.items()],
-            "counts": [p.hits, p.trials],
-            "spent": p.spent,
-            "lost": p.lost,
-        }
         path = _file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -87,6 +89,12 @@ def keep(draft, key: Optional[str]) -> None:
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _state(p: Policy) -> dict:
+    """``p``'s times, counts and budget, as JSON."""
+    return {"block_size": p.block_size, "times": [[w, n, s, r] for (w, n), (s, r) in p.times.items()],
+            "counts": [p.hits, p.trials], "spent": p.spent, "lost": p.lost}
 
 
 def _policy(block_size: int, state: dict) -> Policy:

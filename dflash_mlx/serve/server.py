@@ -490,7 +490,7 @@ def _run(args) -> int:
     draft = None if args.block_size == 1 else load_draft(draft_path, bits=args.draft_bits)
     # What auto learnt is kept whenever the server goes idle, so a restart starts from it.
     key = saved.start(draft, model_path, draft_path, args.block_size, args.fresh, server=True,
-                      sampled=args.temp > 0, bits=args.draft_bits)
+                      bits=args.draft_bits)
     served = Served(model, draft, tokenizer, args.model, args.block_size, args.temp, args.top_p, args.top_k,
                     args.min_p, args.max_tokens, args.chat_template_args, args.prompt_cache_size,
                     args.decode_concurrency, args.prompt_cache_bytes,

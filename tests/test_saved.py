@@ -63,7 +63,8 @@ def test_a_run_starts_where_the_last_one_left(pair, capsys):
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = run(args, capsys)
     assert text == want and tau == 1.0  # started from the saved state: plain steps
-    assert json.loads(path.read_text())["greedy"]["times"] != plain_wins(16)["greedy"]["times"]  # kept again, with this run's times
+    # kept again, with this run's times
+    assert json.loads(path.read_text())["greedy"]["times"] != plain_wins(16)["greedy"]["times"]
 
     path.write_text(json.dumps(plain_wins(16)))
     text, tau = run(args + ["--fresh"], capsys)
@@ -125,7 +126,8 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
     assert not saved.recall(b, "another key") and not memo(b)
     assert saved.recall(b, "k")
     for was, now in [(p, Policy.of(b)), (ps, Policy.of(b, sampled=True))]:
-        assert (now.times, now.hits, now.trials, now.spent, now.lost) == (was.times, was.hits, was.trials, was.spent, was.lost)
+        assert [now.times, now.hits, now.trials, now.spent, now.lost] == [was.times, was.hits, was.trials,
+                                                                          was.spent, was.lost]
         assert [now.best(n) for n in range(2, 17)] == [was.best(n) for n in range(2, 17)]
 
 
@@ -177,7 +179,8 @@ def test_the_chat_command_keeps_it_too(pair):
     path.write_text(json.dumps(plain_wins(16)))
     chat()
     kept = json.loads(path.read_text())["greedy"]["times"]
-    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["greedy"]["times"]  # recalled, then this run's plain steps kept
+    # recalled, then this run's plain steps kept
+    assert [1, 16, 100.0, 10.0] in kept and kept != plain_wins(16)["greedy"]["times"]
     path.write_text(json.dumps(plain_wins(16)))
     chat("--fresh")
     assert json.loads(path.read_text()) == plain_wins(16)

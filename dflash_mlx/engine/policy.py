@@ -213,7 +213,7 @@ _learnt: Dict[int, dict] = {}  # id(draft) -> what its generations learnt (see m
 
 
 def memo(draft) -> dict:
-    """What generations with ``draft`` learnt (the policy, the proposal's temperature)."""
+    """What generations with ``draft`` learnt (the greedy and sampled policies, the proposal's temperature)."""
     if id(draft) not in _learnt:
         _learnt[id(draft)] = {}
         weakref.finalize(draft, _learnt.pop, id(draft), None)

@@ -200,7 +200,10 @@ class Policy:
     def of(draft, sampled: bool = False) -> "Policy":
         """The policy of ``draft``'s greedy or ``sampled`` generations (made
         at the first): what a round accepts and costs differs between them."""
-        return memo(draft).setdefault(("policy", sampled), Policy(draft.block_size))
+        learnt, key = memo(draft), ("policy", sampled)
+        if key not in learnt:  # not made each time: a batch asks every round
+            learnt[key] = Policy(draft.block_size)
+        return learnt[key]
 
     @staticmethod
     def forget(draft) -> None:

@@ -119,6 +119,27 @@ def test_seeded_row_ignores_its_companions(loaded, draft_for):
     assert all(len(toks[k]) == 40 or toks[k][-1] in tok.eos_token_ids for k in sampled)
 
 
+def test_a_batch_with_a_sampled_row_teaches_the_sampled_policy(loaded, draft_for):
+    """Greedy and sampled generations have a policy each: batched rounds of
+    greedy rows teach the greedy one; once a sampled row is in, the sampled one."""
+    from dflash_mlx.engine.policy import Policy
+
+    model, tok, folder = loaded("qwen3")
+    draft = draft_for(folder)
+    greedy, sampled = Policy.of(draft), Policy.of(draft, sampled=True)
+
+    def widths(p):
+        return {w for w, _ in p.times}
+
+    batch = Batch(model, draft, tok, "auto")
+    run(batch, [batch.add(p, 30) for p in PROMPTS])
+    assert 3 in widths(greedy) and not sampled.times
+    keys = [batch.add(p, 30) for p in PROMPTS[:2]] + [batch.add(PROMPTS[2], 30, temperature=0.9, seed=0)]
+    before = {k: list(v) for k, v in greedy.times.items() if k[0] == 3}
+    run(batch, keys)
+    assert 3 in widths(sampled) and {k: v for k, v in greedy.times.items() if k[0] == 3} == before
+
+
 def test_prompt_cache_is_refilled(loaded, draft_for):
     """A row given a prompt cache leaves it holding the conversation: the next
     turn continues it, with the output of a fresh run."""

@@ -98,14 +98,15 @@ class Batch:
         cache = make_prompt_cache(self.target.model) if prompt_cache is None else prompt_cache
         if not all(trims_exactly(c) for c in cache):
             raise UnsupportedModelError("Batched generation needs plain attention caches (KVCache).")
+        sampled = temperature > 0  # which of the draft's two "auto" policies the row uses
         dec = _Decoder(self.target, self.draft, None, list(cache), False, draft_cache,
                        **_drawing(self.target, self.draft, cache, temperature, top_p, min_p, top_k, seed),
-                       policy=Policy.of(self.draft, temperature > 0) if self.auto else None)
+                       policy=Policy.of(self.draft, sampled) if self.auto else None)
         tic = time.perf_counter()
         first = dec.prefill(ids, prefill_step_size, more=0 if self.rows else min(self.top, max_tokens - 1))
         mx.eval([c.state for c in dec.cache])
         row = _Row(dec, ids, list(ids), max_tokens, first, self.tokenizer.detokenizer,
-                   len(ids) / (time.perf_counter() - tic), prompt_cache, temperature > 0)
+                   len(ids) / (time.perf_counter() - tic), prompt_cache, sampled)
         row.detok.reset()
         if self.rows:
             if self.cache is None:  # the first row ran alone: its queued step out, into a batch

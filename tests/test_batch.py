@@ -5,6 +5,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.engine.batch import Batch, batch_generate
 from dflash_mlx.engine.decoding import DraftCache
+from dflash_mlx.engine.policy import Policy
 from dflash_mlx.errors import UnsupportedModelError
 from test_policy import modelled  # noqa: F401 (a fixture)
 from util import dflash_tokens, mlx_tokens, runs
@@ -122,8 +123,6 @@ def test_seeded_row_ignores_its_companions(loaded, draft_for):
 def test_a_batch_with_a_sampled_row_teaches_the_sampled_policy(loaded, draft_for):
     """Greedy and sampled generations have a policy each: batched rounds of
     greedy rows teach the greedy one; once a sampled row is in, the sampled one."""
-    from dflash_mlx.engine.policy import Policy
-
     model, tok, folder = loaded("qwen3")
     draft = draft_for(folder)
     greedy, sampled = Policy.of(draft), Policy.of(draft, sampled=True)

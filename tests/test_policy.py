@@ -488,6 +488,25 @@ def test_noisy_plain_steps_buy_no_probes():
     assert probes <= 1.25 * budgeted, (probes, budgeted)
 
 
+def test_plain_steps_timed_in_a_slow_phase_are_timed_again():
+    """Plain steps timed while the machine was slow (10 ms, where they take
+    4): rounds of 2 that accept a draft one time in five (6 ms) look faster,
+    and drafting wins. After ``window`` drafting rounds plain steps are timed
+    again, and win (SmolLM2's demo drafted every round of 25 runs after one
+    run's plain steps were timed beside another process, 2026-12-07)."""
+    rng, p = random.Random(0), Policy(16)
+    for n in (16, 16, 1, 1, 1, 1):
+        timed(p, n, 0.010, 0)
+    kinds = []
+    for _ in range(3 * p.window):
+        n = p.choose()
+        timed(p, n, {1: 0.004, 2: 0.006}.get(n, 0.010), int(rng.random() < 0.2) if n > 1 else None)
+        kinds.append(n)
+    assert kinds[: p.window].count(1) == 0  # locked into drafting for a while
+    assert kinds[-p.window :].count(1) > 0.9 * p.window, kinds[-p.window :]
+    assert p.seconds(1) == pytest.approx(0.004)
+
+
 def test_a_pause_weighs_like_a_slow_round_and_widths_count_apart():
     p = Policy(4)
     for _ in range(10):

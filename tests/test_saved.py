@@ -95,7 +95,7 @@ def damaged(**change) -> str:
     damaged(times=plain_wins(16)["greedy"]["times"] + [[1, 99, 1.0, 1.0]]),  # accepted, plain steps would win
     damaged(times=[[1, 1, 0.0, 10.0], [1, 16, 100.0, 10.0]]),  # a zero time would divide
     damaged(counts=[[5.0] + [0.0] * 14, [1.0] + [0.0] * 14]), damaged(counts=[]), damaged(counts=[[0.0], [0.0]]),
-    damaged(lost=-1.0), damaged(spent=float("nan")),
+    damaged(lost=2.0), damaged(lost=float("-inf")), damaged(spent=float("nan")),
     damaged(spent=10**400),
 ])
 def test_a_broken_or_foreign_file_is_ignored_and_replaced(pair, capsys, content):
@@ -122,6 +122,7 @@ def test_a_saved_policy_chooses_as_the_one_it_was_saved_from(loaded, draft_for):
         p.time(n, s, rounds=2)
         ps.time(n, 2 * s)
         p.spend(s, acc + 1, drafted=n > 1)
+    ps.spent, ps.lost = 1.0, -0.01  # plain steps next to a probe ran faster than their mean
     saved.keep(a, "k")
     assert not saved.recall(b, "another key") and not memo(b)
     assert saved.recall(b, "k")

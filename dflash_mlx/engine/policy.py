@@ -62,6 +62,7 @@ class Policy:
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
+    aged: Dict[int, int] = field(init=False, default_factory=dict)  # width -> drafting rounds since plain steps were timed
     spent: float = field(init=False, default=0.0)  # decaying seconds of the rounds
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
@@ -162,6 +163,8 @@ class Policy:
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])
         self._timed = {}
+        if length == 1:
+            self.aged[width] = 0
         for _ in range(rounds):
             s[:] = [self.decay * s[0] + seconds, self.decay * s[1] + 1]
 
@@ -188,10 +191,17 @@ class Policy:
 
     def took(self, length: int, width: int = 1) -> None:
         """Count a round of ``length`` (learnt from and timed): once the full
-        block is timed, plain steps until they are timed too."""
+        block is timed, plain steps until they are timed too, and again after
+        ``window`` drafting rounds without them (a plain step's time booked in
+        a slow phase of the machine would otherwise keep drafting on for good)."""
         if length == 1:
             self.skip = max(self.skip - 1, 0)
-        elif not self.timed(1, width) and self.timed(self.block_size, width):
+            return
+        self.aged[width] = self.aged.get(width, 0) + 1
+        if self.aged[width] > self.window:
+            self.times.pop((width, 1), None)
+            self._timed = {}
+        if not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps
             self.skip = 2

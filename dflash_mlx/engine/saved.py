@@ -115,7 +115,11 @@ def _policy(block_size: int, state: dict) -> Policy:
     p.hits, p.trials = [_number(h) for h in hits], [_number(t) for t in trials]
     if any(h > t for h, t in zip(p.hits, p.trials)):
         raise ValueError("more hits than trials")
-    p.spent, p.lost = _number(state["spent"]), _number(state["lost"])
+    # lost may be below zero (plain steps next to a probe that ran faster than
+    # their mean), never above what was spent
+    p.spent, p.lost = _number(state["spent"]), float(state["lost"])
+    if not -math.inf < p.lost <= p.spent:
+        raise ValueError(f"lost {p.lost} out of range")
     return p
 
 

@@ -7,7 +7,8 @@ expected to commit the most tokens per second of the loop's own clock:
 - Seconds per round: a decaying mean of the rounds of that length, apart
   for each batch width (the first rounds after a switch between drafting and
   plain steps are not counted). The plain step and the full block are timed
-  first; a length not timed is interpolated between timed ones, which is
+  first, and plain steps again after ``window`` drafting rounds without
+  them; a length not timed is interpolated between timed ones, which is
   optimistic (the draft pass costs at any length), so it is tried where it
   might win.
 - Tokens per round: draft i's chance of acceptance given the ones before

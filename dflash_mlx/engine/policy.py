@@ -69,9 +69,10 @@ class Policy:
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
     _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
     _probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
-    # kept as best() asks 2-3 times a round: until learn() (gains) or time() (times)
+    # kept as a round asks best() 3-4 times: until learn() (gains) or time() (times)
     _gains: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _timed: Dict[int, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
+    _best: Dict[tuple, int] = field(init=False, default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.lengths = sorted({1, self.block_size} | {2**k for k in range(1, 8) if 2**k < self.block_size})
@@ -116,6 +117,12 @@ class Policy:
         """The length from ``least`` to ``limit`` expected to commit the most
         tokens per second, ``width`` rows at once (the untimed full block first)."""
         limit = limit or self.block_size
+        key = (limit, width, least)
+        if key not in self._best:
+            self._best[key] = self._fastest(limit, width, least)
+        return self._best[key]
+
+    def _fastest(self, limit: int, width: int, least: int) -> int:
         options = [n for n in self.lengths if least <= n <= limit]
         if self.block_size in options and not self.timed(self.block_size, width):
             return self.block_size
@@ -140,7 +147,7 @@ class Policy:
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
-        decay, self._gains = self.memory ** len(accepted), None
+        decay, self._gains, self._best = self.memory ** len(accepted), None, {}
         self.hits[:] = [h * decay for h in self.hits]
         self.trials[:] = [t * decay for t in self.trials]
         for a in accepted:
@@ -163,7 +170,7 @@ class Policy:
         s = self.times.setdefault((width, length), [0.0, 0.0])
         if s[1] >= 1:  # a pause of the machine weighs like a slow round, no more
             seconds = min(seconds, 3 * s[0] / s[1])
-        self._timed = {}
+        self._timed, self._best = {}, {}
         if length == 1:
             self.aged[width] = 0
         for _ in range(rounds):
@@ -201,7 +208,7 @@ class Policy:
         self.aged[width] = self.aged.get(width, 0) + 1
         if self.aged[width] > self.window:
             self.times.pop((width, 1), None)
-            self._timed = {}
+            self._timed, self._best = {}, {}
         if not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
         elif self.plain_wins(width):  # a probe: then two plain steps

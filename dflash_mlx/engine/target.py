@@ -244,14 +244,19 @@ class Target:
             with self.lock:
                 logits = self.model(batch, cache=cache)
             return (logits if tokens.ndim == 2 else logits[0]), None, None
-        with self.lock, self._taps(layer_ids, cache if record else None) as (
-            taps,
-            tape,
-            run_cache,
-        ):
-            logits = self.model(batch, cache=run_cache or cache)
-            features = self._collect(taps, layer_ids, batch, logits)
-        return (logits if tokens.ndim == 2 else logits[0]), features, (tape if record else None)
+        with self.lock:
+            if record:
+                with self._taps(layer_ids, cache) as (taps, tape, run_cache):
+                    logits = self.model(batch, cache=run_cache)
+                    features = self._collect(taps, layer_ids, batch, logits)
+            else:  # a plain step's path, without a context manager: ~1% of a toy step
+                taps, tape = self._tap_layers(layer_ids), None
+                try:
+                    logits = self.model(batch, cache=cache)
+                    features = self._collect(taps, layer_ids, batch, logits)
+                finally:
+                    self._untap(taps)
+        return (logits if tokens.ndim == 2 else logits[0]), features, tape
 
     def hidden(self, tokens: mx.array, layer_ids: List[int]) -> Tuple[mx.array, mx.array]:
         """Run the target without a cache on a batch ``tokens`` [B, S] and return
@@ -285,6 +290,18 @@ class Target:
         parts = [taps[i].value if i in taps else mx.zeros(shape, dtype) for i in layer_ids]
         return sum_ranks(mx.depends(mx.concatenate(parts, axis=-1), out), "a pipelined forward")
 
+    def _tap_layers(self, layer_ids) -> Dict[int, _Tap]:
+        """Put the recording wrappers of ``layer_ids`` (this rank's) in place."""
+        taps = {i: self._tap(i) for i in layer_ids if self.start <= i < self.end}
+        for i, tap in taps.items():
+            self.layers[i] = tap
+        return taps
+
+    def _untap(self, taps: Dict[int, _Tap]) -> None:
+        """Put the layers back, dropping what the wrappers kept."""
+        for i, tap in taps.items():
+            self.layers[i], tap.value = tap.module, None
+
     @contextmanager
     def _taps(self, layer_ids, cache):
         """Tap the outputs of ``layer_ids``; with ``cache``, also record what
@@ -294,9 +311,7 @@ class Target:
         deltas: List[Tuple[nn.Module, nn.Module, _Tap, _Tap]] = []
         tape, run_cache = [], None
         try:
-            for i in sorted(set(layer_ids)):
-                if self.start <= i < self.end:  # this rank's layers
-                    taps[i] = self.layers[i] = self._tap(i)
+            taps = self._tap_layers(layer_ids)
             if cache is not None:
                 run_cache = list(cache)
                 for j, c in enumerate(cache):  # caches of this rank's layers
@@ -313,8 +328,7 @@ class Target:
                         tape.append(CacheTape(c, c.state, run_cache[j]))
             yield taps, tape, run_cache
         finally:
-            for i, tap in taps.items():
-                self.layers[i], tap.value = tap.module, None
+            self._untap(taps)
             for layer, gdn, _, conv in deltas:
                 layer.linear_attn = gdn
                 gdn.conv1d = conv.module

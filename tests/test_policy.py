@@ -411,6 +411,25 @@ def test_ends_are_timed_first_then_the_fastest_length_wins():
     assert p.choose(limit=3) == 2 and p.choose(limit=1) == 1  # the longest that fits the tokens left
 
 
+def test_the_choice_follows_every_change_of_times_and_counts():
+    """best() is kept while nothing it depends on changes (a round asks it
+    3-4 times), and answers afresh after new counts, times or a re-timing."""
+    p = Policy(4)
+    for _ in range(20):
+        p.learn(4, [3])  # every draft right
+    p.time(1, 0.010)
+    p.time(4, 0.012)
+    assert p.best() == 4  # 4 tokens in 12 ms against 1 in 10
+    for _ in range(200):
+        p.learn(4, [0])  # the draft turns useless
+    assert p.tokens(4) < 1.1 and p.best() == 1
+    for _ in range(p.window + 1):  # drafting rounds with no plain step: its time is dropped
+        p.took(4)
+    assert not p.timed(1) and p.best() > 1
+    p.time(1, 0.010)
+    assert p.best() == 1
+
+
 def test_a_round_tells_what_shorter_ones_would_have_accepted():
     p = Policy(8)
     for _ in range(40):

@@ -38,6 +38,11 @@ from .timing import RoundTimer
 # that charges a forward when it is called turns this off: pipelined, a queued
 # step would be charged to the round before the one that computes it.
 PIPELINE = True
+# Plain steps taken while plain steps win and no probe is near record no
+# features (on a 2.4 ms toy step the taps cost ~1.7%): the draft's context
+# gets a gap there, and drafting waits until the draft has this many
+# positions after the last gap.
+RECENT = 16
 
 
 @dataclass
@@ -90,15 +95,19 @@ class GenerationResponse:
 
 
 class DraftCache:
-    """The draft's side of a prompt cache: its context K/V cache and the
-    target features it has not read yet. Pass one with ``prompt_cache`` to
-    :func:`stream_generate` so a continued conversation keeps the draft's
+    """The draft's side of a prompt cache: its context K/V cache, the target
+    features it has not read yet, and gaps (tokens whose features were never
+    taken: plain steps while plain steps win). Pass one with ``prompt_cache``
+    to :func:`stream_generate` so a continued conversation keeps the draft's
     context (higher acceptance); it always covers as many tokens as the target
     cache, and must be trimmed with it (:meth:`trim`)."""
 
     def __init__(self, draft: DFlashDraft):
+        self.draft = draft
         self.cache = draft.make_cache()
         self._parts: List[mx.array] = []  # joined once, when read
+        # [cache offset, length] of each gap: positions the draft never read
+        self.gaps: List[List[int]] = []
 
     @property
     def pending(self) -> Optional[mx.array]:
@@ -112,13 +121,37 @@ class DraftCache:
         self._parts = [] if features is None else [features]
 
     @property
+    def missing(self) -> int:
+        """Positions in the gaps (left out of the draft's cache)."""
+        return sum(n for _, n in self.gaps)
+
+    @property
     def size(self) -> int:
-        """Tokens covered: read into the cache or pending."""
-        return self.cache[0].offset + sum(p.shape[1] for p in self._parts)
+        """Tokens covered: read into the cache, pending or in a gap."""
+        return self.cache[0].offset + self.missing + sum(p.shape[1] for p in self._parts)
+
+    @property
+    def recent(self) -> int:
+        """Tokens covered since the last gap (read or pending)."""
+        after = self.cache[0].offset - (self.gaps[-1][0] if self.gaps else 0)
+        return after + sum(p.shape[1] for p in self._parts)
 
     def extend(self, features: mx.array) -> None:
         """Queue target features [1, L, n*H] the draft has not read yet."""
         self._parts.append(features)
+
+    def skip(self, n: int) -> None:
+        """Cover ``n`` tokens whose features were not taken: a gap in the
+        draft's context. The features still pending (the prompt's, say) are
+        read first, lazily: computed only if the draft proposes again."""
+        if self._parts:
+            self.draft.read(self.pending, self.cache, self.missing)
+            self._parts = []
+        at = self.cache[0].offset
+        if self.gaps and self.gaps[-1][0] == at:
+            self.gaps[-1][1] += n
+        else:
+            self.gaps.append([at, n])
 
     def trim(self, n: int) -> None:
         """Forget the last ``n`` tokens."""
@@ -127,8 +160,18 @@ class DraftCache:
             keep = max(pending.shape[1] - n, 0)
             n -= pending.shape[1] - keep
             self.pending = pending[:, :keep] if keep else None
-        for c in self.cache:
-            c.trim(n)
+        while n > 0:
+            at, gap = self.gaps[-1] if self.gaps else (0, 0)
+            read = min(n, self.cache[0].offset - at)
+            for c in self.cache:
+                c.trim(read)
+            n -= read
+            if not n or not self.gaps:
+                break
+            self.gaps[-1][1] -= min(n, gap)
+            n -= min(n, gap)
+            if not self.gaps[-1][1]:
+                self.gaps.pop()
 
 
 def _take(tokens: List[int], n: int, max_tokens: int, eos: set, detok):
@@ -363,6 +406,10 @@ class _Decoder:
         # no logits processors (they would need the token on the host).
         self.pipelined = (PIPELINE and not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
+        # Gaps need one process (the ranks would have to agree on each) and a
+        # draft whose positions need no window over its context.
+        self.skips = self.pipelined and draft is not None and all(
+            layer.self_attn.window is None for layer in draft.layers)
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
@@ -414,7 +461,12 @@ class _Decoder:
         """This round's length, at most ``limit`` (1: a plain step)."""
         if self.draft is None or limit <= 1 or self.ahead is not None:
             return 1
-        return limit if self.policy is None else self.policy.choose(limit)
+        return limit if self.policy is None else self.policy.choose(limit, ready=self.ready)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the draft has read enough since the last gap in its context."""
+        return self.draft is None or not self.dstate.gaps or self.dstate.recent >= RECENT
 
     def round(self, history: List[int], limit: int, more: int = 0) -> List[int]:
         """Draft up to ``limit - 1`` tokens after the last one (``"auto"``
@@ -452,7 +504,8 @@ class _Decoder:
         # 1.27 at block 2 on SmolLM2), never enough to pay for the longer pass.
         kw = {"steps": self.steps, "vocab": self.vocab} if self.steps > 1 else {}
         logits = self.draft.propose(
-            anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, length, **kw
+            anchor, self.dstate.pending, self.dcache, self.target.embed, self.head, length,
+            shift=self.dstate.missing, **kw
         )
         self.dstate.pending = None  # now in the draft's cache
         if self.tuner is not None and self.noise is not None:  # the target's noise at the same positions
@@ -494,6 +547,8 @@ class _Decoder:
         out = y.tolist()
         if f is not None:
             self.dstate.extend(f)
+        elif self.draft is not None:
+            self.dstate.skip(1)
         self.timer.learn(1, 0, took=False)
         self.rounds += 1
         self.committed += 1
@@ -523,7 +578,8 @@ class _Decoder:
         rows would each need an exp over the vocabulary: on one row its extra
         ops cost more (block 1 went from 0.977-0.987 to 0.988-0.990 of
         mlx-lm, toy target, one core, 2026-12-06)."""
-        logits, f, _ = self.target.forward(token, self.cache, self.layer_ids)
+        quiet = self.skips and self.policy is not None and self.policy.quiet(RECENT)
+        logits, f, _ = self.target.forward(token, self.cache, [] if quiet else self.layer_ids)
         logp = process(logits, None, None, None)
         return self.pick(logits, logp, pos).astype(token.dtype), f, logp
 

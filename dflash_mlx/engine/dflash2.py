@@ -56,9 +56,9 @@ class DFlash2Layer(DraftLayer):
         self.attention_conv = DynamicConv(H, p.conv_kernel_size, p.conv_group_size)
         self.mlp_conv = DynamicConv(H, p.conv_kernel_size, p.conv_group_size)
 
-    def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
+    def __call__(self, x, ctx, cache=None, anchors=None, skip=0, shift=0):
         a, dyn = self.attention_conv.prepare(self.input_layernorm(x))
-        h = x + self.attention_conv.finish(self.self_attn(a, ctx, cache, anchors, skip), dyn)
+        h = x + self.attention_conv.finish(self.self_attn(a, ctx, cache, anchors, skip, shift), dyn)
         m, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(h))
         return h + self.mlp_conv.finish(self.mlp(m), dyn)
 
@@ -108,9 +108,9 @@ class DFlash2Draft(DFlashDraft):
             config.hidden_size, config.vocab_size, p.selector_rank, p.selector_top_k
         )
 
-    def __call__(self, x, features, cache=None, anchors=None):
+    def __call__(self, x, features, cache=None, anchors=None, shift=0):
         scale = self.config.dflash2.input_embedding_scale
-        return super().__call__(x * scale if scale != 1.0 else x, features, cache, anchors)
+        return super().__call__(x * scale if scale != 1.0 else x, features, cache, anchors, shift)
 
     def logits(self, hidden: mx.array, head: Callable[[mx.array], mx.array]) -> mx.array:
         p = self.config.dflash2

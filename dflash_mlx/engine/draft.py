@@ -48,7 +48,7 @@ class Attention(nn.Module):
         """Context positions a block query attends back to (None: all)."""
         return None if self.window is None else max(self.window - 1, 1)
 
-    def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
+    def __call__(self, x, ctx, cache=None, anchors=None, skip=0, shift=0):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1))
         q = q.transpose(0, 2, 1, 3)
@@ -60,8 +60,9 @@ class Attention(nn.Module):
         if skip:  # context that slid out of the window before it was read: zeros hold its place
             z = mx.zeros((B, self.n_kv_heads, skip, k.shape[-1]), k.dtype)
             cache.update_and_fetch(z, z)
-        pos = cache.offset + ctx.shape[1]
-        keys, values = cache.update_and_fetch(self.rope(k, offset=cache.offset), v)
+        start = cache.offset + shift  # the positions in gaps are not in the cache
+        pos = start + ctx.shape[1]
+        keys, values = cache.update_and_fetch(self.rope(k, offset=start), v)
         cache.trim(L)
         mask = None
         if self.window is not None:
@@ -71,6 +72,11 @@ class Attention(nn.Module):
             qpos = mx.arange(pos, pos + L)
             mask = _block_mask(qpos[None], mx.arange(pos - n, pos), None, self.window, L)
         return self._attend(self.rope(q, offset=pos), keys, values, mask)
+
+    def read(self, ctx, cache, shift=0):
+        """Cache the context ``ctx`` without a block."""
+        k, v = self._kv(ctx)
+        cache.update_and_fetch(self.rope(k, offset=cache.offset + shift), v)
 
     def _train(self, q, x, ctx, anchors):
         """ctx is the whole sequence; x holds one block per anchor."""
@@ -140,8 +146,8 @@ class DraftLayer(nn.Module):
             cfg.hidden_size, eps=cfg.rms_norm_eps
         )
 
-    def __call__(self, x, ctx, cache=None, anchors=None, skip=0):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, anchors, skip)
+    def __call__(self, x, ctx, cache=None, anchors=None, skip=0, shift=0):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, anchors, skip, shift)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -177,42 +183,53 @@ class DFlashDraft(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        features: mx.array,
+        features: Optional[mx.array],
         cache: Optional[List[KVCache]] = None,
         anchors: Optional[mx.array] = None,
+        shift: int = 0,
     ) -> mx.array:
         """Hidden states of the block ``x`` (already embedded), given the new
-        target features. With ``cache`` the features extend the cached context
-        and the block sits right after it; without, ``anchors`` gives each
-        block's position in the feature sequence (training)."""
+        target features (or None). With ``cache`` the features extend the
+        cached context and the block sits right after it (``shift``: context
+        positions missing from the cache, gaps); without, ``anchors`` gives
+        each block's position in the feature sequence (training)."""
         # With every layer sliding, new context older than the window (a long
         # prompt) is never attended: only its place in the caches is kept.
         reach = [layer.self_attn.reach for layer in self.layers]
         skip = 0
-        if cache is not None and None not in reach:
+        if cache is not None and None not in reach and features is not None:
             skip = max(features.shape[1] - max(reach), 0)
             features = features[:, skip:]
-        # No new features (a later denoising pass): skip fc, whose quantized
-        # matmul cannot take zero rows.
-        ctx = self.context(features) if features.shape[1] else x[:, :0]
+        # No new features (a later denoising pass, or none since a gap): skip
+        # fc, whose quantized matmul cannot take zero rows.
+        ctx = self.context(features) if features is not None and features.shape[1] else x[:, :0]
         caches = cache if cache is not None else [None] * len(self.layers)
         for layer, c in zip(self.layers, caches):
-            x = layer(x, ctx, c, anchors, skip)
+            x = layer(x, ctx, c, anchors, skip, shift)
         return self.norm(x)
+
+    def read(self, features: mx.array, cache: List[KVCache], shift: int = 0) -> None:
+        """Read new target features into ``cache`` (a draft whose layers all
+        see the whole context), lazily, with no block to propose."""
+        ctx = self.context(features)
+        for layer, c in zip(self.layers, cache):
+            layer.self_attn.read(ctx, c, shift)
 
     def propose(
         self,
         anchor: mx.array,
-        features: mx.array,
+        features: Optional[mx.array],
         cache: List[KVCache],
         embed: Callable[[mx.array], mx.array],
         head: Callable[[mx.array], mx.array],
         block_size: int,
         steps: int = 1,
         vocab: Optional[mx.array] = None,
+        shift: int = 0,
     ) -> mx.array:
         """Logits [block_size - 1, V] for the block after ``anchor`` (a 1-element
-        int array), whose position is the cached context length.
+        int array), whose position is the cached context length (plus
+        ``shift``, the positions missing from the cache).
 
         With ``steps`` K > 1 the draft denoises the block in K passes: after
         pass k its surest guesses fill k/K of the positions (the ones kept
@@ -224,9 +241,9 @@ class DFlashDraft(nn.Module):
         tokens, kept, logits = mask, mx.zeros((n,), mx.bool_), None
         for k in range(1, steps + 1):
             block = mx.concatenate([anchor.reshape(1), tokens])[None]
-            hidden = self(embed(block), features, cache)[:, 1:]
+            hidden = self(embed(block), features, cache, shift=shift)[:, 1:]
             new = self.logits(hidden, head)
-            features = features[:, :0]  # read into the cache by the first pass
+            features = None  # read into the cache by the first pass
             logits = new if logits is None else mx.where(kept[:, None], logits, new)
             if k == steps:
                 break

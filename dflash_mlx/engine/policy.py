@@ -132,12 +132,13 @@ class Policy:
             return options[-1]
         return max(options, key=lambda n: self.tokens(n) / self.seconds(n, width))
 
-    def choose(self, limit: Optional[int] = None, width: int = 1) -> int:
+    def choose(self, limit: Optional[int] = None, width: int = 1, ready: bool = True) -> int:
         """The next round's length: :meth:`best`, plain steps while ``skip``
-        says so, and while plain steps win, the best drafting round (a probe)
-        when probes have lost less than ``budget`` of the time."""
+        says so or the draft is not ``ready``, and while plain steps win, the
+        best drafting round (a probe) when probes have lost less than
+        ``budget`` of the time."""
         limit = limit or self.block_size
-        if self.skip > 0 or limit < 2:
+        if self.skip > 0 or limit < 2 or not ready:
             return 1
         best = self.best(limit, width)
         self._probe = best == 1  # a drafting round now is a probe
@@ -158,6 +159,11 @@ class Policy:
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""
         return self.timed(1, width) and self.best(width=width) == 1
+
+    def quiet(self, ahead: int, width: int = 1) -> bool:
+        """Whether plain steps win and no probe is due for ``ahead`` rounds."""
+        keep = (1 - 1 / self.window) ** ahead
+        return self.plain_wins(width) and self.lost * keep > self.budget * self.spent
 
     def timed(self, length: int, width: int = 1) -> bool:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""

@@ -128,13 +128,17 @@ class DraftCache:
     @property
     def size(self) -> int:
         """Tokens covered: read into the cache, pending or in a gap."""
-        return self.cache[0].offset + self.missing + sum(p.shape[1] for p in self._parts)
+        return self.cache[0].offset + self.missing + self._queued
 
     @property
     def recent(self) -> int:
         """Tokens covered since the last gap (read or pending)."""
         after = self.cache[0].offset - (self.gaps[-1][0] if self.gaps else 0)
-        return after + sum(p.shape[1] for p in self._parts)
+        return after + self._queued
+
+    @property
+    def _queued(self) -> int:
+        return sum(p.shape[1] for p in self._parts)
 
     def extend(self, features: mx.array) -> None:
         """Queue target features [1, L, n*H] the draft has not read yet."""
@@ -406,9 +410,9 @@ class _Decoder:
         # no logits processors (they would need the token on the host).
         self.pipelined = (PIPELINE and not processors and not profile and group() is None
                           and all(trims_exactly(c) for c in self.cache))
-        # Gaps need one process (the ranks would have to agree on each) and a
-        # draft whose positions need no window over its context.
-        self.skips = self.pipelined and draft is not None and all(
+        # Gaps need "auto", one process (the ranks would have to agree on
+        # each) and a draft whose positions need no window over its context.
+        self.skips = policy is not None and self.pipelined and draft is not None and all(
             layer.self_attn.window is None for layer in draft.layers)
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
@@ -578,7 +582,7 @@ class _Decoder:
         rows would each need an exp over the vocabulary: on one row its extra
         ops cost more (block 1 went from 0.977-0.987 to 0.988-0.990 of
         mlx-lm, toy target, one core, 2026-12-06)."""
-        quiet = self.skips and self.policy is not None and self.policy.quiet(RECENT)
+        quiet = self.skips and self.policy.quiet(RECENT)
         logits, f, _ = self.target.forward(token, self.cache, [] if quiet else self.layer_ids)
         logp = process(logits, None, None, None)
         return self.pick(logits, logp, pos).astype(token.dtype), f, logp

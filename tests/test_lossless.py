@@ -5,6 +5,8 @@ import pytest
 from conftest import ARCHS, HYBRID
 from util import dflash_tokens, mlx_run, mlx_tokens, runs
 
+from dflash_mlx import stream_generate
+
 PROMPTS = ["def foo(x):\n    return", "import os\n", "class A:\n"]
 
 
@@ -173,3 +175,21 @@ def test_a_doubted_argmax_is_redone(loaded, draft_for, monkeypatch, block_size):
     assert out == mlx_tokens(model, tok, PROMPTS[0], 20)
     assert (len(calls) > 0) == (block_size != 1), calls
     assert cache[0].offset == len(ids) + len(out) - 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gpt_oss"])
+def test_prompt_ends_as_mlx_lm_ends_it(arch, loaded, draft_for):
+    """The prompt's last token runs alone after the others, as in mlx-lm's
+    loop, so the first token's log-probabilities are bit for bit mlx-lm's
+    (and the head never runs over the prompt's other rows)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, tok, folder = loaded(arch)
+    draft = draft_for(folder)
+    for n in (1, 5, 19):
+        ids = [(7 * i + 3) % 200 + 5 for i in range(n)]
+        _, want = next(generate_step(mx.array(ids), model, max_tokens=1, prefill_step_size=8))
+        for d, bs in ((None, 1), (draft, 4), (draft, "auto")):
+            rs = list(stream_generate(model, d, tok, ids, block_size=bs, max_tokens=1, prefill_step_size=8))
+            assert mx.array_equal(rs[0].logprobs[0], want).item(), (n, bs)

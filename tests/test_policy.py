@@ -45,6 +45,12 @@ def modelled(monkeypatch):
     return now
 
 
+def prefill_cost(n: int) -> float:
+    """A prompt of ``n`` tokens on the modelled clock: all but the last in
+    one forward, then the last alone (as mlx-lm's loop runs a prompt)."""
+    return 1 + (1 + 0.1 * (n - 2) if n > 1 else 0)
+
+
 def auto_run(model, draft, tok, prompt, **kw):
     """(tokens, text, rounds): each round as (verified, accepted, drafted),
     drafted meaning a draft pass ran."""
@@ -106,7 +112,7 @@ def test_useless_draft_takes_plain_steps(modelled, loaded, draft_for):
     # time after the prefill over its plain steps' is the loss: the three first
     # full blocks (3 units each, a token each), then the budget's share and
     # the one probe that may go over it (a round of 2: 1.6 units).
-    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    prefill = prefill_cost(len(tok.encode(prompt)))
     loss = modelled[0] - prefill - sum(a for _, a, _ in rounds)
     assert loss <= 3 * (3.0 - 1) + Policy.of(draft).budget * modelled[0] + 1.6, (loss, modelled)
 
@@ -123,7 +129,7 @@ def test_useless_draft_costs_the_budget_in_every_generation(modelled, loaded, dr
     for _ in range(12):
         _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=60)
         made += sum(a for _, a, _ in rounds)
-    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    prefill = prefill_cost(len(tok.encode(prompt)))
     spent = modelled[0] - start
     loss = spent - 12 * prefill - made
     assert loss <= Policy.of(draft).budget * spent + 1.6, (loss, spent)
@@ -156,7 +162,7 @@ def test_steps_slowed_by_a_probe_count_against_the_budget(modelled, loaded, draf
         _, _, rounds = auto_run(model, draft, tok, prompt, max_tokens=100)
         made += sum(a for _, a, _ in rounds)
         probes += sum(d for _, _, d in rounds)
-    prefill = 1 + 0.1 * (len(tok.encode(prompt)) - 1)
+    prefill = prefill_cost(len(tok.encode(prompt)))
     spent = modelled[0] - start
     loss = spent - 8 * prefill - made
     # Over its window the budget may have been unspent when this began, and

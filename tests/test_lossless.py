@@ -180,8 +180,8 @@ def test_a_doubted_argmax_is_redone(loaded, draft_for, monkeypatch, block_size):
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gpt_oss"])
 def test_prompt_ends_as_mlx_lm_ends_it(arch, loaded, draft_for):
     """The prompt's last token runs alone after the others, as in mlx-lm's
-    loop, so the first token's log-probabilities are bit for bit mlx-lm's
-    (and the head never runs over the prompt's other rows)."""
+    loop (the head over its row alone, not over a whole chunk's), so the
+    first token's log-probabilities are bit for bit mlx-lm's."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 

@@ -432,9 +432,9 @@ class _Decoder:
         # As mlx-lm's loop: every token but the last in chunks whose logits are
         # never computed, then the last alone (the head over a whole chunk's
         # rows cost ~8% of a 512-token SmolLM2 prefill).
-        feats = []
-        for i in range(0, len(ids) - 1, step):
-            _, f, _ = self.target.forward(mx.array(ids[i : min(i + step, len(ids) - 1)]), self.cache, self.layer_ids)
+        feats, head = [], ids[:-1]
+        for i in range(0, len(head), step):
+            _, f, _ = self.target.forward(mx.array(head[i : i + step]), self.cache, self.layer_ids)
             feats += [f] if f is not None else []
             mx.eval([c.state for c in self.cache] + feats)
         logits, f, _ = self.target.forward(mx.array(ids[-1:]), self.cache, self.layer_ids)

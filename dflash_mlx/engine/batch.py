@@ -178,8 +178,7 @@ class Batch:
         limits = [min(self.top, r.max_tokens - r.n) for r in rows]
         most = max(limits) if self.draft is not None else 1
         policy = self.policy
-        ready = all(r.dec.ready for r in rows)
-        length = policy.choose(most, len(rows), ready) if policy is not None else most
+        length = policy.choose(most, len(rows), all(r.dec.ready for r in rows)) if policy is not None else most
         lengths = [min(length, n) for n in limits]
         blocks, props = [], []
         for r, a, n in zip(rows, anchors, lengths):

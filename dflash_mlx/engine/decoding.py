@@ -437,12 +437,13 @@ class _Decoder:
             _, f, _ = self.target.forward(mx.array(head[i : i + step]), self.cache, self.layer_ids)
             feats += [f] if f is not None else []
             mx.eval([c.state for c in self.cache] + feats)
-        logits, f, _ = self.target.forward(mx.array(ids[-1:]), self.cache, self.layer_ids)
+        last = mx.array(ids[-1:])
+        logits, f, _ = self.target.forward(last, self.cache, self.layer_ids)  # [1, V]
         feats += [f] if f is not None else []
         if feats:
             self.dstate.extend(mx.concatenate(feats, axis=1))
-        self.logprobs = process(logits[-1:], mx.array(ids[:-1]), mx.array(ids[-1:]), self.processors)
-        first = self.pick(logits[-1:], self.logprobs, len(ids))
+        self.logprobs = process(logits, mx.array(head), last, self.processors)
+        first = self.pick(logits, self.logprobs, len(ids))
         if more and self.pipelined and self.length(more) == 1:
             first = first.astype(mx.int32)
             self._queue(first, len(ids) + 1)

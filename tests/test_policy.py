@@ -253,6 +253,28 @@ def test_draft_that_becomes_right_is_used_again(modelled, loaded, draft_for, tmp
     assert sum(a for a, d in after if d) >= 0.5 * sum(a for a, _ in after), rounds
 
 
+def test_a_probe_checks_its_drafts_beyond_its_block(modelled, loaded, draft_for):
+    """A greedy probe drafts twice as far as it verifies, and the drafts beyond
+    are checked against the target's next tokens: after a warm-up that found
+    the deeper drafts wrong, a probe of 2 (which verifies only the first)
+    counts an always-right draft's second and third drafts right."""
+    model, tok, folder = loaded("qwen3", tied=True)
+    ref = mlx_tokens(model, tok, "class A:\n", 6)
+    draft = draft_for(folder, mask_token_id=ref[0], echo=True)
+    p = Policy.of(draft)
+    timed(p, 16, 3.0, 0)  # the modelled clock's costs
+    timed(p, 2, 1.6, 0)
+    for _ in range(8):
+        timed(p, 1, 1.0)
+    p.hits[:], p.trials[:] = [1.0] + [0.0] * 14, [3.0] * 15  # a warm-up's bad stretch
+    assert p.plain_wins() and p.choose() == 2
+    out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=6)
+    assert out == ref and rounds[0] == (2, 2, True) and all(v == 1 for v, _, _ in rounds[1:]), rounds
+    # the second draft against the probe's bonus token, the third against the next plain step's
+    assert p.hits[1:3] == [1.0, 1.0] and p.trials[1:3] == [3 * p.memory + 1] * 2, (p.hits, p.trials)
+    assert p.trials[3] == 3 * p.memory
+
+
 def test_sampled_generations_do_not_steer_greedy_ones(modelled, loaded, draft_for):
     """A sampled round accepts less and costs more than a greedy one, so each
     kind of generation has its own policy: sampled ones on which a draft

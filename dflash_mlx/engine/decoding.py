@@ -392,7 +392,7 @@ class _Decoder:
         # through the tuner); a sampled draft without it is verified with the p/q rule.
         self.draw, self.noise, self.tuner = draw, noise, tuner
         self.sampler, self.processors, self.profile = sampler, processors, profile
-        self.fast = greedy and not processors
+        self.greedy, self.fast = greedy, greedy and not processors
         self.cache = cache if cache is not None else target.make_cache()
         self.layer_ids = draft.config.target_layer_ids if draft is not None else []
         if draft is not None:
@@ -417,6 +417,7 @@ class _Decoder:
         self.ahead = None  # the queued step: (token [1], features, log-probabilities)
         self.logprobs = None  # of the tokens last committed [k, V]
         self._verified = None  # (logits, history, block) of the block last verified
+        self._unchecked = None  # (drafts beyond a probe's block, the first one's depth)
         self.timer = RoundTimer(policy)  # teaches the policy that chooses each round's length ("auto")
 
     @property
@@ -487,9 +488,13 @@ class _Decoder:
         if length == 1 and self.pipelined:
             return self._plain(anchor, len(history), more)
         clock = _Clock(self.profile)
-        proposal, q = self.propose(anchor, length, len(history)) if length > 1 else (None, None)
+        # A greedy probe drafts twice as far as it verifies: the drafts beyond
+        # are checked against the tokens that follow, for free (see _check).
+        reach = min(2 * length, limit) if length > 1 and self._deeper() else length
+        proposal, q = self.propose(anchor, reach, len(history)) if length > 1 else (None, None)
         if proposal is not None:
             clock.lap("draft", proposal)
+            proposal, beyond = proposal[: length - 1], proposal[length - 1 :]
         block = anchor if proposal is None else mx.concatenate([anchor, proposal])
         # A plain step still records features, so the draft's context stays whole.
         logits, f, tape = self.target.forward(block, self.cache, self.layer_ids, self.draft is not None)
@@ -498,6 +503,10 @@ class _Decoder:
         rollback(self.cache, tape, a + 1, block.shape[0])
         self.timer.learn(length, a)
         out = self.commit(out, a, f, block.shape[0])
+        self._check(out)
+        if reach > length and a == length - 1:
+            self._unchecked = (beyond.tolist(), length - 1)
+            self._check(out[-1:])  # the bonus token: the first draft beyond
         clock.lap("accept", [c.state for c in self.cache])
         self.timing = clock.laps if self.profile else None
         return out
@@ -554,6 +563,7 @@ class _Decoder:
         if more and self.length(more) == 1:
             self._queue(y, pos + 1)
         out = y.tolist()
+        self._check(out)
         if f is not None:
             self.dstate.extend(f)
         elif self.draft is not None:
@@ -563,6 +573,24 @@ class _Decoder:
         self.committed += 1
         self.verified = 1
         return out
+
+    def _deeper(self) -> bool:
+        """Whether this round is a probe whose deeper drafts can be checked
+        against the target's next tokens (greedy, exact)."""
+        return self.greedy and self.threshold is None and self.policy is not None and self.policy.probe
+
+    def _check(self, tokens: List[int]) -> None:
+        """Teach the policy whether a probe's drafts beyond its block were
+        the target's ``tokens`` (just committed, in order), up to the first miss."""
+        if self._unchecked is None:
+            return
+        (drafts, depth), self._unchecked = self._unchecked, None
+        for i, (t, d) in enumerate(zip(tokens, drafts)):
+            self.policy.saw(depth + i, t == d)
+            if t != d:
+                return
+        if len(drafts) > len(tokens):
+            self._unchecked = (drafts[len(tokens) :], depth + len(tokens))
 
     def remember(self, draft) -> None:
         """Keep the tuner's temperature for the next generation with ``draft``

@@ -12,8 +12,8 @@ expected to commit the most tokens per second of the loop's own clock:
   optimistic (the draft pass costs at any length), so it is tried where it
   might win.
 - Tokens per round: draft i's chance of acceptance given the ones before
-  it, a decaying count per depth over every drafting round; a depth seen
-  little leans on the one before it.
+  it, a decaying count per depth over every drafting round and the drafts
+  beyond a probe's block (:meth:`saw`); a depth seen little leans on the one before it.
 
 While plain steps win, the best drafting round still runs now and then (a
 probe) to find a draft that starts to help; what probes alone (not a round
@@ -68,7 +68,7 @@ class Policy:
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
     _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
-    _probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
+    probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
     # kept as a round asks best() 3-4 times: until learn() (gains) or time() (times)
     _gains: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
     _timed: Dict[int, Dict[int, float]] = field(init=False, default_factory=dict, repr=False, compare=False)
@@ -86,18 +86,14 @@ class Policy:
             out.append(last)
         return out
 
-    def gains(self) -> List[float]:
-        """Expected tokens committed by a round of each length 1..block."""
-        if self._gains is None:
+    def tokens(self, length: int) -> float:
+        """Expected tokens committed by a round of ``length``."""
+        if self._gains is None:  # for each length 1..block
             reach, self._gains = 1.0, [1.0]
             for p in self.chances():
                 reach *= p
                 self._gains.append(self._gains[-1] + reach)
-        return self._gains
-
-    def tokens(self, length: int) -> float:
-        """Expected tokens committed by a round of ``length``."""
-        return self.gains()[length - 1]
+        return self._gains[length - 1]
 
     def seconds(self, length: int, width: int = 1) -> Optional[float]:
         """A round's expected seconds: measured, else interpolated between
@@ -141,7 +137,7 @@ class Policy:
         if self.skip > 0 or limit < 2 or not ready:
             return 1
         best = self.best(limit, width)
-        self._probe = best == 1  # a drafting round now is a probe
+        self.probe = best == 1  # a drafting round now is a probe
         if best > 1 or self.lost > self.budget * self.spent:
             return best
         return self.best(limit, width, least=2)
@@ -155,6 +151,13 @@ class Policy:
             for i in range(min(a + 1, length - 1)):
                 self.hits[i] += i < a
                 self.trials[i] += 1
+
+    def saw(self, depth: int, hit: bool) -> None:
+        """A draft at ``depth`` beyond a probe's block (the ones before it right)
+        was the target's next token (``hit``) or not: probes check the deeper
+        drafts too, so that a warm-up's guess about them does not hold for good."""
+        self.hits[depth], self.trials[depth] = self.hits[depth] + hit, self.trials[depth] + 1
+        self._gains, self._best = None, {}
 
     def plain_wins(self, width: int = 1) -> bool:
         """Whether plain steps are timed and win (a drafting round now is a probe)."""
@@ -192,7 +195,7 @@ class Policy:
         keep = 1 - 1 / self.window
         self.lost *= keep
         self.spent = self.spent * keep + seconds
-        if not (self._probe if drafted else self.plain_wins(width)):
+        if not (self.probe if drafted else self.plain_wins(width)):
             return
         loss = seconds - tokens * self.seconds(1, width)
         if drafted:

@@ -209,6 +209,33 @@ def test_a_long_run_of_plain_steps_is_timed_as_it_goes(monkeypatch):
     assert policy.seconds(1) == pytest.approx(3.0, rel=0.05), policy.seconds(1)
 
 
+def test_a_plain_step_booked_too_slow_buys_no_run_of_probes(monkeypatch):
+    """Plain steps booked slower than they run (5 ms, where they take 4) make
+    the plain rounds next to a probe look like gains, which buy the next
+    probe at once. With two plain steps after each probe, those runs were
+    never timed, so the booked time held: a probe every third round (a
+    benchmark pass with a random draft ran seven prompts at 0.57-0.65x
+    mlx-lm, 2026-12-07). Four plain steps after a probe time one of them."""
+    now = [0.0]
+    monkeypatch.setattr(pol, "clock", lambda: now[0])
+    p = Policy(16)
+    for _ in range(3):
+        p.learn(16, [0])
+    p.time(16, 10.0)
+    p.time(2, 6.0)
+    p.time(1, 5.0, rounds=4)
+    timer = RoundTimer(p)
+    timer.start()
+    kinds = []
+    for _ in range(400):
+        n = p.choose()
+        now[0] += {1: 4.0, 2: 6.0}.get(n, 10.0)
+        timer.learn(n, 0)
+        kinds.append(n)
+    assert p.seconds(1) == pytest.approx(4.0, rel=0.05), p.seconds(1)
+    assert kinds[-200:].count(2) <= 4, kinds[-200:].count(2)
+
+
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     """An always-right draft: the full block, once the plain step is timed."""
     model, tok, folder = loaded("qwen3", tied=True)
@@ -285,7 +312,7 @@ def test_sampled_generations_do_not_steer_greedy_ones(modelled, loaded, draft_fo
     draft = draft_for(folder, mask_token_id=ref[0], echo=True)  # it always guesses ref[0]
     for seed in range(3):
         _, _, rounds = auto_run(model, draft, tok, "import os\n", max_tokens=40, temperature=1.0, seed=seed)
-    assert Policy.of(draft, sampled=True).best() == 1 and {v for v, _, _ in rounds} == {1}, rounds
+    assert Policy.of(draft, sampled=True).best() == 1 and sum(v > 1 for v, _, _ in rounds) <= 2, rounds  # probes
     out, _, rounds = auto_run(model, draft, tok, "class A:\n", max_tokens=40)
     assert out == ref and rounds[:2] == [(16, 16, True)] * 2, rounds
 

@@ -207,10 +207,10 @@ class Policy:
             self._held = loss  # counted if a drafting round comes next
 
     def took(self, length: int, width: int = 1) -> None:
-        """Count a round of ``length`` (learnt from and timed): once the full
-        block is timed, plain steps until they are timed too, and again after
-        ``window`` drafting rounds without them (a plain step's time booked in
-        a slow phase of the machine would otherwise keep drafting on for good)."""
+        """Count a round of ``length`` (learnt from and timed): plain steps until
+        they are timed once the full block is, again after ``window`` drafting
+        rounds without them, and after a probe enough to time one (a plain step's
+        time booked too slow would keep drafting on, or buy probe after probe)."""
         if length == 1:
             self.skip = max(self.skip - 1, 0)
             return
@@ -220,8 +220,8 @@ class Policy:
             self._timed, self._best = {}, {}
         if not self.timed(1, width) and self.timed(self.block_size, width):
             self.skip = 4
-        elif self.plain_wins(width):  # a probe: then two plain steps
-            self.skip = 2
+        elif self.plain_wins(width):  # a probe: then a run long enough to be timed
+            self.skip = 4
 
     @staticmethod
     def of(draft, sampled: bool = False) -> "Policy":

@@ -218,9 +218,8 @@ class Policy:
         if self.aged[width] > self.window:
             self.times.pop((width, 1), None)
             self._timed, self._best = {}, {}
-        if not self.timed(1, width) and self.timed(self.block_size, width):
-            self.skip = 4
-        elif self.plain_wins(width):  # a probe: then a run long enough to be timed
+        # the full block timed but not plain steps, or a probe: a run long enough to be timed
+        if (not self.timed(1, width) and self.timed(self.block_size, width)) or self.plain_wins(width):
             self.skip = 4
 
     @staticmethod

@@ -446,7 +446,6 @@ class _Decoder:
         self.logprobs = process(logits, mx.array(head), last, self.processors)
         first = self.pick(logits, self.logprobs, len(ids))
         if more and self.pipelined and self.length(more) == 1:
-            first = first.astype(mx.int32)
             self._queue(first, len(ids) + 1)
         first = agree(first).tolist()
         self.timer.start()
@@ -484,9 +483,9 @@ class _Decoder:
         tokens (accepted drafts plus the bonus). ``more``: the next round's
         limit if the generation goes on (unless this round ends with an EOS)."""
         length = self.length(limit)
-        anchor = mx.array(history[-1:])
         if length == 1 and self.pipelined:
-            return self._plain(anchor, len(history), more)
+            return self._plain(history, more)
+        anchor = mx.array(history[-1:])
         clock = _Clock(self.profile)
         # A greedy probe drafts twice as far as it verifies: the drafts beyond
         # are checked against the tokens that follow, for free (see _check).
@@ -553,10 +552,11 @@ class _Decoder:
         self.logprobs = process(logits[: a + 1], seen, block[: a + 1], self.processors)
         return out[: a + 1]
 
-    def _plain(self, anchor: mx.array, pos: int, more: int) -> List[int]:
-        """A plain step (its token at position ``pos``), the next one queued
-        before this one's token is read when the next round is a plain step too."""
-        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(anchor, pos)
+    def _plain(self, history: List[int], more: int) -> List[int]:
+        """A plain step after ``history``, the next one queued before this
+        one's token is read when the next round is a plain step too."""
+        pos = len(history)
+        y, f, self.logprobs = self.ahead if self.ahead is not None else self._step(mx.array(history[-1:]), pos)
         self.ahead = None
         if self.policy is not None:
             self.policy.took(1)
@@ -618,7 +618,7 @@ class _Decoder:
         quiet = self.skips and self.policy.quiet(RECENT)
         logits, f, _ = self.target.forward(token, self.cache, [] if quiet else self.layer_ids)
         logp = process(logits, None, None, None)
-        return self.pick(logits, logp, pos).astype(token.dtype), f, logp
+        return self.pick(logits, logp, pos), f, logp
 
     def settle(self) -> None:
         """Take a queued step back out of the caches (the generation ended)."""

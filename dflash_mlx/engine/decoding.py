@@ -218,7 +218,8 @@ def _response(dec: "_Decoder", tokens: List[int], new: List[int], text: str, n: 
         timing=dec.timing,
         from_draft=len(tokens) > 1,
         exact=dec.threshold is None,
-        # A slice is an op a step (~0.5% of a toy target's): only where an EOS or max_tokens cut the round.
+        # Sliced only where an EOS or max_tokens cut the round: a slice is an
+        # op, and a plain step's costs ~0.5% of a toy target's step.
         logprobs=dec.logprobs if len(new) == dec.logprobs.shape[0] else dec.logprobs[: len(new)],
     )
 

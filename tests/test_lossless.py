@@ -165,7 +165,7 @@ def test_a_doubted_argmax_is_redone(loaded, draft_for, monkeypatch, block_size):
     def wrong(logits):
         calls.append(logits.shape[0])
         y, _ = real(logits)
-        return (y + 1) % logits.shape[-1], mx.array(True)
+        return (y + 1) % logits.shape[-1], mx.full(y.shape, 2)  # each row in doubt
 
     monkeypatch.setattr(decoding, "greedy", wrong)
     draft = draft_for(folder) if block_size != 1 else None

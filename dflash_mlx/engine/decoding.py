@@ -646,29 +646,33 @@ class _Decoder:
             out = self.timer.agree(mx.concatenate([choice, tail]), block)
             self._tune(out[block.shape[0]], proposal.shape[0], p, probs=True)
             return out, out[block.shape[0]]
+        tops = None  # greedy(): each row's count of near-top entries
         if self.noise is not None:
             logp = process(logits, seen, block, self.processors)  # lazy: see rows()
-            x, choice, unsure = self.rows(logits, logp), self.pick(logits, logp, len(history)), mx.array(False)
+            x, choice = self.rows(logits, logp), self.pick(logits, logp, len(history))
         elif self.fast and not exact and logits.dtype == mx.float32:
             x = logits
-            choice, unsure = greedy(logits)
+            choice, tops = greedy(logits)
         else:
             x = process(logits, seen, block, self.processors)
-            choice, unsure = self.sampler(x), mx.array(False)
+            choice = self.sampler(x)
+        n = block.shape[0]
         near = None
         if self.threshold is not None and proposal is not None:
             near = near_top(self.dist(x), proposal, self.threshold)
-        a = accepted(proposal, choice, near) if proposal is not None else mx.array(0)
-        if near is not None:  # accepted drafts may differ from the target's choices
-            drafts = mx.concatenate([proposal.astype(choice.dtype), choice[-1:]])
-            choice = mx.where(mx.arange(choice.shape[0]) < a, drafts, choice)
-        tail = mx.stack([a, unsure]).astype(mx.int32)
-        out = self.timer.agree(mx.concatenate([choice.astype(mx.int32), tail]), block)
-        if out[-1]:  # rare: redo this block exactly
+        parts = [p.astype(mx.int32) for p in (choice, near, tops) if p is not None]
+        out = self.timer.agree(mx.concatenate(parts) if len(parts) > 1 else parts[0], block)
+        if tops is not None and any(t != 1 for t in out[-n:]):  # rare: redo this block exactly
             return self._choose(logits, history, block, proposal, exact=True)
-        if proposal is not None and self.noise is not None:
-            self._tune(out[block.shape[0]], proposal.shape[0], x)
-        return out, out[block.shape[0]]
+        tokens, a = out[:n], 0
+        if proposal is not None:
+            drafts = proposal.tolist()
+            a = accepted(drafts, tokens, out[n : 2 * n - 1] if near is not None else None)
+            if near is not None:  # accepted drafts may differ from the target's choices
+                tokens = drafts[:a] + tokens[a:]
+            if self.noise is not None:
+                self._tune(a, n - 1, x)
+        return tokens, a
 
     def _tune(self, a: int, n: int, x: mx.array, probs: bool = False) -> None:
         """Teach the tuner (if the drafts were sampled) from a round that

@@ -206,9 +206,10 @@ def process(
 
 
 def greedy(logits: mx.array):
-    """Argmax of float32 logit rows [L, V] without the log-softmax, and a flag
-    set when :func:`process`'s rounding could pick another token (a runner-up
-    within 2**-17 of a row's top, or a non-finite top): then use the exact path.
+    """Argmax of float32 logit rows [L, V] without the log-softmax, and each
+    row's count of entries within 2**-17 of its top: unless every count is 1,
+    :func:`process`'s rounding could pick another token (or a top is not
+    finite), so use the exact path.
 
     Log-probabilities of near-top tokens lie in (-16, 0], where float32 steps
     are at most 2**-20, so subtracting the row's log-sum-exp cannot merge or
@@ -218,14 +219,13 @@ def greedy(logits: mx.array):
     leaves no entry within reach of itself (inf - inf is nan), so the count
     of near-top entries is 1 exactly when the row is safe."""
     top = logits.max(axis=-1, keepdims=True)
-    near = ((logits - top) >= -(2.0**-17)).sum(axis=-1)
-    return mx.argmax(logits, axis=-1), (near != 1).any()
+    return mx.argmax(logits, axis=-1), ((logits - top) >= -(2.0**-17)).sum(axis=-1)
 
 
-def accepted(draft: mx.array, target: mx.array, also: Optional[mx.array] = None) -> mx.array:
-    """How many draft tokens [L-1] match the target's choices [L] (or are
-    flagged in ``also``), as a prefix."""
-    match = draft == target[: draft.shape[0]]
-    if also is not None:
-        match = match | also
-    return mx.cumprod(match.astype(mx.int32)).sum()
+def accepted(drafts: List[int], choices: List[int], also: Optional[List[int]] = None) -> int:
+    """How many drafts match the target's choices (or are flagged in ``also``),
+    as a prefix. On the host: as ops, this cost ~2.5% of a small round."""
+    a = 0
+    while a < len(drafts) and (drafts[a] == choices[a] or (also is not None and also[a])):
+        a += 1
+    return a

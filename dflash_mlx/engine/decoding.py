@@ -630,10 +630,10 @@ class _Decoder:
                 c.trim(1)
 
     def _choose(self, logits, history, block, proposal, exact=False, q=None):
-        """The tokens for the block (then the acceptance count and the fast
-        path's doubt flag, as a list) and how many drafts they accept: the
-        target's own choices, or with ``q`` (the distributions the drafts were
-        sampled from) the p/q rule's tokens."""
+        """The tokens for the block, as a list (the first ``a + 1`` are
+        committed), and how many drafts ``a`` they accept: the target's own
+        choices, or with ``q`` (the distributions the drafts were sampled
+        from) the p/q rule's tokens."""
         seen = mx.array(history[:-1]) if self.processors else None
         self._verified = logits, seen, block
         # Sampled rows skip the log-softmax (an exp per entry) unless logits

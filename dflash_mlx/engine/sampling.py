@@ -224,7 +224,8 @@ def greedy(logits: mx.array):
 
 def accepted(drafts: List[int], choices: List[int], also: Optional[List[int]] = None) -> int:
     """How many drafts match the target's choices (or are flagged in ``also``),
-    as a prefix. On the host: as ops, this cost ~2.5% of a small round."""
+    as a prefix. Counted on the host from the read tokens: as MLX ops it cost
+    1-2% of a toy round (docs/measurements.md, session 58)."""
     a = 0
     while a < len(drafts) and (drafts[a] == choices[a] or (also is not None and also[a])):
         a += 1

@@ -635,6 +635,7 @@ class _Decoder:
         choices, or with ``q`` (the distributions the drafts were sampled
         from) the p/q rule's tokens."""
         seen = mx.array(history[:-1]) if self.processors else None
+        n = block.shape[0]
         self._verified = logits, seen, block
         # Sampled rows skip the log-softmax (an exp per entry) unless logits
         # processors need it: the filters, the softmax and the draw ignore a shift.
@@ -642,10 +643,9 @@ class _Decoder:
             p = self.dist(process(logits, seen, block, self.processors) if self.processors else logits)
             near = near_top(p, proposal, self.threshold) if self.threshold is not None else None
             choice, a = speculative(p, q, proposal, near)
-            tail = mx.stack([a, mx.array(0)]).astype(mx.int32)
-            out = self.timer.agree(mx.concatenate([choice, tail]), block)
-            self._tune(out[block.shape[0]], proposal.shape[0], p, probs=True)
-            return out, out[block.shape[0]]
+            out = self.timer.agree(mx.concatenate([choice, a.reshape(1)]), block)
+            self._tune(out[n], proposal.shape[0], p, probs=True)
+            return out[:n], out[n]
         tops = None  # greedy(): each row's count of near-top entries
         if self.noise is not None:
             logp = process(logits, seen, block, self.processors)  # lazy: see rows()
@@ -656,7 +656,6 @@ class _Decoder:
         else:
             x = process(logits, seen, block, self.processors)
             choice = self.sampler(x)
-        n = block.shape[0]
         near = None
         if self.threshold is not None and proposal is not None:
             near = near_top(self.dist(x), proposal, self.threshold)

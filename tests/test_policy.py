@@ -236,6 +236,39 @@ def test_a_plain_step_booked_too_slow_buys_no_run_of_probes(monkeypatch):
     assert kinds[-200:].count(2) <= 4, kinds[-200:].count(2)
 
 
+def test_counts_fade_over_plain_steps_so_rare_probes_find_a_good_draft(monkeypatch):
+    """Rounds that accepted nothing made plain steps win; then the draft is
+    right again. The probes that could tell are rare (the plain rounds next to
+    them run slower and spend the budget), and while the counts faded only with
+    drafting rounds, each probe weighed 1/60 against that stretch
+    (`heldout_draft2_early`: about one probe a generation for eight
+    generations in a row, where rounds of 4 made 1.1x plain steps, 2026-12-07).
+    Fading over plain steps too (down to 8 rounds' worth, see the useless
+    draft's budget above), the draft is drafting again within a few hundred
+    rounds (here 335, against 921 before)."""
+    now = [0.0]
+    monkeypatch.setattr(pol, "clock", lambda: now[0])
+    p = Policy(4)
+    for _ in range(60):
+        p.learn(4, [0])
+    for n, t in ((4, 6.0), (4, 6.0), (2, 5.0)):
+        p.time(n, t)
+    p.time(1, 4.0, rounds=4)
+    assert p.plain_wins()
+    timer = RoundTimer(p)
+    timer.start()
+    kinds, last = [], 1
+    for _ in range(1500):
+        n = p.choose()
+        # a plain round after a drafting one computes two steps (MLX-CPU's pipeline)
+        now[0] += (8.0 if last > 1 else 4.0) if n == 1 else (7.0 if last == 1 else 6.0)
+        timer.learn(n, n - 1)
+        kinds.append(n)
+        last = n
+    start = next(i for i in range(len(kinds)) if 1 not in kinds[i : i + 100])
+    assert start < 600, start
+
+
 def test_right_draft_takes_full_blocks(modelled, loaded, draft_for):
     """An always-right draft: the full block, once the plain step is timed."""
     model, tok, folder = loaded("qwen3", tied=True)

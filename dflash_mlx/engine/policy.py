@@ -4,26 +4,24 @@ The choices are the round lengths 1 (a plain step), 2, 4, ... up to the
 draft's block (near the end, those that fit); each round takes the one
 expected to commit the most tokens per second of the loop's own clock:
 
-- Seconds per round: a decaying mean of the rounds of that length, apart
-  for each batch width (the first rounds after a switch between drafting and
-  plain steps are not counted). The plain step and the full block are timed
-  first, and plain steps again after ``window`` drafting rounds without
-  them; a length not timed is interpolated between timed ones, which is
-  optimistic (the draft pass costs at any length), so it is tried where it
-  might win.
+- Seconds per round: a decaying mean per length and batch width (not the
+  first rounds after a switch between drafting and plain steps). The plain
+  step and the full block are timed first, plain steps again after
+  ``window`` drafting rounds without them; a length not timed is
+  interpolated between timed ones (optimistic: the draft pass costs at any
+  length), so it is tried where it might win.
 - Tokens per round: draft i's chance of acceptance given the ones before
-  it, a decaying count per depth over every drafting round and the drafts
-  beyond a probe's block (:meth:`saw`); a depth seen little leans on the one before it.
+  it, a count per depth over every drafting round and the drafts beyond a
+  probe's block (:meth:`saw`), fading with every round; a depth seen little
+  leans on the one before it.
 
-While plain steps win, the best drafting round still runs now and then (a
-probe) to find a draft that starts to help; what probes alone (not a round
-chosen because drafting won, even one that makes plain steps win) and the
-rounds next to them lose stays within ``budget`` of the loop's recent time,
-give or take a probe: a useless draft costs about that share.
-What a policy learnt carries over to the next generation with the same draft
-and sampling (greedy or sampled: a sampled round accepts less and costs more).
-Nothing is measured ahead, and no length is assumed faster than it runs, so
-the choice holds on any pair and machine; the output never depends on it.
+While plain steps win, the best drafting round still runs now and then (a probe)
+to find a draft that starts to help; what probes alone (not a round chosen because
+drafting won) and the rounds next to them lose stays within ``budget`` of the loop's
+recent time, give or take a probe: a useless draft costs about that share. What a
+policy learnt carries over to the next generation with the same draft and sampling.
+Nothing is measured ahead, and no length is assumed faster than it runs, so the
+choice holds on any pair and machine; the output never depends on it.
 """
 
 import time
@@ -42,24 +40,25 @@ class Policy:
 
     Args:
         block_size: The draft's trained block size (the longest round).
-        memory: Decay per drafting round of the acceptance counts (0.95
-            chose worse on noisy drafts, on a modelled clock).
+        memory: Decay per drafting round of the counts (0.95 chose worse on noisy drafts).
+        fade: Decay per plain step of the counts (rare probes must outweigh the
+            rounds that made plain steps win).
         decay: Decay per round of a length's timing.
         prior: Pseudo-trials behind each depth's starting guess.
-        budget: The share of the time (over about the last ``window``
-            rounds) that drafting rounds may lose against plain steps while
-            plain steps win.
+        budget: The share of the time (over about the last ``window`` rounds)
+            that probes may lose against plain steps.
     """
 
     block_size: int
     memory: float = 0.98
+    fade: float = 0.995
     decay: float = 0.95
     prior: float = 1.0
     budget: float = 0.01
     window: int = 256
     # (width, length) -> [decaying seconds, decaying rounds]
     times: Dict[Tuple[int, int], List[float]] = field(init=False, default_factory=dict)
-    # decaying counts per depth over every drafting round: drafts accepted, checked
+    # counts per depth over every drafting round (fading): drafts accepted, checked
     hits: List[float] = field(init=False)
     trials: List[float] = field(init=False)
     skip: int = field(init=False, default=0)  # plain steps to take (to time them) before drafting again
@@ -68,6 +67,7 @@ class Policy:
     lost: float = field(init=False, default=0.0)  # of those, what they lost against plain steps while these won
     _held: float = field(init=False, default=0.0, repr=False)  # the last plain round's loss, not yet counted
     _near: int = field(init=False, default=0, repr=False)  # plain rounds after a drafting round still to count
+    _steps: int = field(init=False, default=0, repr=False)  # plain steps not yet faded (took)
     probe: bool = field(init=False, default=False, repr=False)  # the round chosen last is a probe
     # kept as a round asks best() 3-4 times: until learn() (gains) or time() (times)
     _gains: Optional[List[float]] = field(init=False, default=None, repr=False, compare=False)
@@ -112,10 +112,9 @@ class Policy:
     def best(self, limit: Optional[int] = None, width: int = 1, least: int = 1) -> int:
         """The length from ``least`` to ``limit`` expected to commit the most
         tokens per second, ``width`` rows at once (the untimed full block first)."""
-        limit = limit or self.block_size
-        key = (limit, width, least)
+        key = (limit or self.block_size, width, least)
         if key not in self._best:
-            self._best[key] = self._fastest(limit, width, least)
+            self._best[key] = self._fastest(*key)
         return self._best[key]
 
     def _fastest(self, limit: int, width: int, least: int) -> int:
@@ -136,26 +135,26 @@ class Policy:
         limit = limit or self.block_size
         if self.skip > 0 or limit < 2 or not ready:
             return 1
-        best = self.best(limit, width)
-        self.probe = best == 1  # a drafting round now is a probe
-        if best > 1 or self.lost > self.budget * self.spent:
-            return best
-        return self.best(limit, width, least=2)
+        self.probe = self.best(limit, width) == 1  # a drafting round now is a probe
+        probe = self.probe and self.lost <= self.budget * self.spent
+        return self.best(limit, width, least=2 if probe else 1)
 
     def learn(self, length: int, accepted: Sequence[int]) -> None:
         """A drafting round verified ``length`` tokens a row; row r accepted ``accepted[r]`` drafts."""
-        decay, self._gains, self._best = self.memory ** len(accepted), None, {}
-        self.hits[:] = [h * decay for h in self.hits]
-        self.trials[:] = [t * decay for t in self.trials]
+        self._fade(self.memory ** len(accepted))
         for a in accepted:
             for i in range(min(a + 1, length - 1)):
                 self.hits[i] += i < a
                 self.trials[i] += 1
 
+    def _fade(self, decay: float) -> None:
+        self.hits[:] = [h * decay for h in self.hits]
+        self.trials[:] = [t * decay for t in self.trials]
+        self._gains, self._best = None, {}
+
     def saw(self, depth: int, hit: bool) -> None:
-        """A draft at ``depth`` beyond a probe's block (the ones before it right)
-        was the target's next token (``hit``) or not: probes check the deeper
-        drafts too, so that a warm-up's guess about them does not hold for good."""
+        """A draft at ``depth`` beyond a probe's block (those before it right) was the
+        next token (``hit``) or not: so that a guess about the deeper drafts does not hold."""
         self.hits[depth], self.trials[depth] = self.hits[depth] + hit, self.trials[depth] + 1
         self._gains, self._best = None, {}
 
@@ -165,8 +164,7 @@ class Policy:
 
     def quiet(self, ahead: int, width: int = 1) -> bool:
         """Whether plain steps win and no probe is due for ``ahead`` rounds."""
-        keep = (1 - 1 / self.window) ** ahead
-        return self.plain_wins(width) and self.lost * keep > self.budget * self.spent
+        return self.plain_wins(width) and self.lost * (1 - 1 / self.window) ** ahead > self.budget * self.spent
 
     def timed(self, length: int, width: int = 1) -> bool:
         """Whether rounds of ``length`` on ``width`` rows have been timed."""
@@ -186,15 +184,14 @@ class Policy:
             s[:] = [self.decay * s[0] + seconds, self.decay * s[1] + 1]
 
     def spend(self, seconds: float, tokens: float, width: int = 1, drafted: bool = False) -> None:
-        """A round took ``seconds`` and committed ``tokens`` a row. What a probe
-        (a round :meth:`choose` chose while plain steps won; under mlx.launch,
-        booked a round late, the next round's flag) takes beyond their time for
-        as many tokens is lost (a gain only if it drafted none: a lucky probe of
-        a useless draft would buy the next ones), and so is what the plain rounds
-        next to it lose (one before, two after: where a switch costs); no other's."""
+        """A round took ``seconds`` and committed ``tokens`` a row. What a probe (a
+        round :meth:`choose` chose while plain steps won; under mlx.launch, booked a
+        round late, the next round's flag) takes beyond their time for as many tokens
+        is lost (a gain only if it drafted none: a lucky probe of a useless draft would
+        buy the next ones), and so is what the plain rounds next to it lose (one
+        before, two after: where a switch costs); no other's."""
         keep = 1 - 1 / self.window
-        self.lost *= keep
-        self.spent = self.spent * keep + seconds
+        self.lost, self.spent = self.lost * keep, self.spent * keep + seconds
         if not (self.probe if drafted else self.plain_wins(width)):
             return
         loss = seconds - tokens * self.seconds(1, width)
@@ -207,12 +204,16 @@ class Policy:
             self._held = loss  # counted if a drafting round comes next
 
     def took(self, length: int, width: int = 1) -> None:
-        """Count a round of ``length`` (learnt from and timed): plain steps until
-        they are timed once the full block is, again after ``window`` drafting
-        rounds without them, and after a probe enough to time one (a plain step's
-        time booked too slow would keep drafting on, or buy probe after probe)."""
+        """Count a round of ``length`` (learnt from and timed): a plain step fades
+        the counts; plain steps follow until they are timed once the full block
+        is, again after ``window`` drafting rounds without them, and after a
+        probe, enough to time one (one booked too slow would buy probe after probe)."""
         if length == 1:
-            self.skip = max(self.skip - 1, 0)
+            self.skip, self._steps = max(self.skip - 1, 0), (self._steps + 1) % 16
+            # By 16 steps (best() is kept until the counts change), to no fewer than 8 first
+            # drafts: with fewer, the prior alone made a useless draft look worth trying.
+            if not self._steps and self.trials and self.trials[0] > 8:
+                self._fade(self.fade**16)
             return
         self.aged[width] = self.aged.get(width, 0) + 1
         if self.aged[width] > self.window:
